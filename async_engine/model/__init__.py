@@ -1,0 +1,26 @@
+"""The model layer: config parsing, the Llama-family implementation, loading and caching.
+
+Importing this package pulls in torch but never transformers or asyncio: transformers is
+imported lazily by the functions that convert GGUF files or write test models.
+"""
+
+from .attention import AttentionPlan, paged_attention
+from .config import ModelConfig, RopeScaling
+from .gguf_cache import default_cache_dir
+from .llama import KVCache, LlamaModel, rope_inv_freq
+from .loader import build_model, load_model_config, make_tiny_llama, resolve_model
+
+__all__ = [
+    "AttentionPlan",
+    "KVCache",
+    "LlamaModel",
+    "ModelConfig",
+    "RopeScaling",
+    "build_model",
+    "default_cache_dir",
+    "load_model_config",
+    "make_tiny_llama",
+    "paged_attention",
+    "resolve_model",
+    "rope_inv_freq",
+]

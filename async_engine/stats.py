@@ -1,0 +1,98 @@
+"""Engine statistics: load for balancers, and how long the device waited on the control plane."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from streams.plan import StepResult
+
+if TYPE_CHECKING:
+    from async_engine.engine import AsyncEngine
+
+
+class DeviceTimeline:
+    """Rolling record of device spans, to compute the device idle fraction.
+
+    A gap between two steps counts as idle only while the engine had work: the time a
+    device spends with no request at all is not the control plane's fault.
+    """
+
+    def __init__(self, window: int = 256) -> None:
+        self.spans: deque[tuple[int, float, float, bool]] = deque(maxlen=window)
+        self._after_idle = True
+        self._pending_after_idle: dict[int, bool] = {}
+        self.busy_s = 0.0
+        self.idle_s = 0.0
+        self.steps = 0
+        self._last_end: float | None = None
+
+    def mark_idle_engine(self) -> None:
+        self._after_idle = True
+
+    def on_launch(self, step_id: int, when: float) -> None:
+        self._pending_after_idle[step_id] = self._after_idle
+        self._after_idle = False
+
+    def on_result(self, result: StepResult) -> None:
+        after_idle = self._pending_after_idle.pop(result.step_id, True)
+        self.spans.append((result.step_id, result.device_start, result.device_end, after_idle))
+        self.steps += 1
+        self.busy_s += result.device_end - result.device_start
+        if self._last_end is not None and not after_idle:
+            self.idle_s += max(0.0, result.device_start - self._last_end)
+        self._last_end = result.device_end
+
+    def idle_fraction(self) -> float:
+        """Idle share of the device over the recent window (0 when nothing ran)."""
+        busy = idle = 0.0
+        prev_end = None
+        for _, start, end, after_idle in self.spans:
+            busy += end - start
+            if prev_end is not None and not after_idle:
+                idle += max(0.0, start - prev_end)
+            prev_end = end
+        total = busy + idle
+        return idle / total if total > 0 else 0.0
+
+    def lifetime_idle_fraction(self) -> float:
+        total = self.busy_s + self.idle_s
+        return self.idle_s / total if total > 0 else 0.0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_usage: float
+    device_idle_fraction: float
+    steps: int
+    num_preemptions: int
+    wasted_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+    @classmethod
+    def collect(cls, engine: AsyncEngine) -> EngineStats:
+        pool, sched = engine.pool, engine.scheduler
+        return cls(
+            running=sched.num_running,
+            waiting=sched.num_waiting,
+            kv_blocks_total=pool.num_blocks,
+            kv_blocks_used=pool.num_used,
+            kv_blocks_free=pool.num_free,
+            kv_usage=pool.num_used / pool.num_blocks,
+            device_idle_fraction=engine.timeline.idle_fraction(),
+            steps=engine.timeline.steps,
+            num_preemptions=sched.num_preemptions,
+            wasted_tokens=sched.wasted_tokens,
+            prefix_cache_queries=pool.prefix_queries,
+            prefix_cache_hits=pool.prefix_hits,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,61 @@
+"""Tokenizer, chat template and incremental detokenization (transformers tokenizers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+class Tokenizer:
+    def __init__(self, folder: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(str(folder))
+        self.vocab_size = len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf(text)["input_ids"])
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        if not self.hf.chat_template:
+            raise ValueError("messages: this model has no chat template")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                raise ValueError(f"messages[{i}] must have a role and a content")
+            if message["role"] not in ("system", "user", "assistant", "tool"):
+                raise ValueError(f"messages[{i}].role is unknown: {message['role']!r}")
+        ids = self.hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output tokens into text deltas.
+
+    Decodes a short window around the newest tokens, and holds text back while it ends
+    in an incomplete UTF-8 sequence (U+FFFD), so multi-token characters come out whole.
+    """
+
+    CONTEXT = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special: bool) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special
+        self.ids: list[int] = list(prompt_ids[-self.CONTEXT :])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def push(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special)
+        full = decode(self.ids[self.prefix_offset :], self.skip_special)
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return full[len(prefix) :]

@@ -1,0 +1,18 @@
+"""Tensors of one packed, variable-length forward pass over a paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64, all sequences packed back to back
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64: block * block_size + offset in the KV cache
+    query_lens: list[int]  # per sequence; sum == T
+    context_lens: list[int]  # per sequence: tokens in the KV cache after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    logits_indices: torch.Tensor  # [S] int64: rows of T whose logits are returned
