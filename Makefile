@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: venv serve generate test lint format bench clean
+.PHONY: venv serve generate test lint format bench clean proto
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -27,6 +27,11 @@ test: $(STAMP)
 format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
+
+# Regenerate the committed gRPC stubs after editing proto/ (tests/test_proto.py checks they match).
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. \
+		proto/async_engine/v1/generation.proto
 
 bench: $(STAMP)
 	$(VENV)/bin/async-engine bench offline

@@ -19,6 +19,7 @@ from typing import Any
 from async_engine.config import EngineConfig
 from async_engine.inputs import DuplicateRequestError, InputBuilder, InputLimits, QueueFullError
 from async_engine.model import build_model, load_model_config, resolve_model
+from async_engine.observer import StepObserver
 from async_engine.output import OutputProcessor, RequestDelta, RequestStream
 from async_engine.request import FinishReason, Request
 from async_engine.scheduler import Scheduler, SchedulerConfig
@@ -68,6 +69,9 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._processors: dict[str, OutputProcessor] = {}
         self._futures: dict[int, StepFuture] = {}
+        self._launched: dict[int, StepPlan] = {}
+        self._timed: list[Request] = []  # requests with a queue or time limit
+        self.observer: StepObserver | None = None  # a profiler's hooks, injected
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
@@ -122,11 +126,22 @@ class AsyncEngine:
         request_id: str | None = None,
         *,
         detokenize: bool = True,
+        max_queue_ms: int | None = None,
+        time_limit_ms: int | None = None,
         **options: Any,
     ) -> Request:
         """Validate and queue a request (call from the event loop's thread)."""
         self._ensure_started()
         req = self.inputs.build(prompt, params, request_id=request_id, **options)
+        for name, value in (("max_queue_ms", max_queue_ms), ("time_limit_ms", time_limit_ms)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if max_queue_ms is not None:
+            req.queue_deadline = req.arrival_time + max_queue_ms / 1000
+        if time_limit_ms is not None:
+            req.time_deadline = req.arrival_time + time_limit_ms / 1000
         if req.request_id in self._streams:
             raise DuplicateRequestError(f"request_id {req.request_id!r} is already in flight")
         if self.scheduler.num_waiting >= self.config.max_waiting:
@@ -134,6 +149,8 @@ class AsyncEngine:
         self._streams[req.request_id] = RequestStream()
         self._processors[req.request_id] = OutputProcessor(req, self.tokenizer, detokenize)
         self.scheduler.add_request(req)
+        if req.queue_deadline is not None or req.time_deadline is not None:
+            self._timed.append(req)
         assert self._wake is not None
         self._wake.set()
         return req
@@ -206,26 +223,58 @@ class AsyncEngine:
     async def overlap_loop(self) -> None:
         inflight: tuple[StepPlan, StepFuture] | None = None
         while True:
-            plan = self.scheduler.schedule()
+            plan = self._schedule()
             launched = self._launch(plan) if plan is not None else None
             if inflight is not None:
-                self._apply(inflight[0], await inflight[1])
+                self._apply(inflight[0], await self._wait(*inflight))
             inflight = launched
             if inflight is None:
                 await self._wait_for_work()
 
     async def normal_loop(self) -> None:
         while True:
-            plan = self.scheduler.schedule()
+            plan = self._schedule()
             if plan is None:
                 await self._wait_for_work()
                 continue
-            _, future = self._launch(plan)
-            self._apply(plan, await future)
+            launched = self._launch(plan)
+            self._apply(plan, await self._wait(*launched))
+
+    def _schedule(self) -> StepPlan | None:
+        start = time.monotonic()
+        if self._timed:
+            self._expire(start)
+        plan = self.scheduler.schedule()
+        if self.observer is not None and plan is not None:
+            self.observer.on_phase("schedule", plan.step_id, start, time.monotonic())
+        return plan
+
+    def _expire(self, now: float) -> None:
+        """End requests past their limits; runs at step boundaries, like aborts."""
+        keep = []
+        for req in self._timed:
+            if req.finished:
+                continue
+            if req.queue_deadline is not None and req.scheduled_time is None:
+                if now >= req.queue_deadline:
+                    self.abort_now(req.request_id, FinishReason.QUEUE_TIMEOUT)
+                    continue
+            if req.time_deadline is not None and now >= req.time_deadline:
+                self.abort_now(req.request_id, FinishReason.TIME_LIMIT)
+                continue
+            keep.append(req)
+        self._timed = keep
+
+    async def _wait(self, plan: StepPlan, future: StepFuture) -> StepResult:
+        start = time.monotonic()
+        result = await future
+        if self.observer is not None:
+            self.observer.on_phase("wait", plan.step_id, start, time.monotonic())
+        return result
 
     async def _wait_for_work(self) -> None:
         assert self._wake is not None
-        if self.scheduler.has_work():
+        if self.scheduler.has_work() or self._timed:
             await asyncio.sleep(0.001)  # e.g. blocks of an ended request arrive next step
             return
         self._wake.clear()
@@ -238,8 +287,12 @@ class AsyncEngine:
         self._futures[plan.step_id] = future
         if self.recorded_plans is not None:
             self.recorded_plans.append(plan)
-        self.timeline.on_launch(plan.step_id, time.monotonic())
+        start = time.monotonic()
+        self.timeline.on_launch(plan.step_id, start)
+        self._launched[plan.step_id] = plan
         self.device.launch(plan)
+        if self.observer is not None:
+            self.observer.on_phase("launch", plan.step_id, start, time.monotonic())
         return plan, future
 
     def _on_device_ready(self) -> None:
@@ -255,20 +308,27 @@ class AsyncEngine:
             return
         for result in results:
             self.timeline.on_result(result)
+            plan = self._launched.pop(result.step_id, None)
+            if self.observer is not None and plan is not None:
+                self.observer.on_device(plan, result)
             future = self._futures.pop(result.step_id, None)
             if future is not None and not future.done():
                 future.set_result(result)
 
     def _apply(self, plan: StepPlan, result: StepResult) -> None:
+        start = time.monotonic()
         if result.error is not None:
-            for req in self.scheduler.fail_step(plan):
-                self._emit(req)
-            return
-        touched = self.scheduler.update_from_output(
-            plan, result.tokens, result.logprobs, result.top_logprobs
-        )
+            touched = self.scheduler.fail_step(plan)
+        else:
+            touched = self.scheduler.update_from_output(
+                plan, result.tokens, result.logprobs, result.top_logprobs
+            )
+        applied = time.monotonic()
         for req in touched:
             self._emit(req)
+        if self.observer is not None:
+            self.observer.on_phase("apply", plan.step_id, start, applied)
+            self.observer.on_phase("stream", plan.step_id, applied, time.monotonic())
 
     def _emit(self, req: Request) -> None:
         processor = self._processors.get(req.request_id)

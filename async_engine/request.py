@@ -21,6 +21,7 @@ class FinishReason(enum.Enum):
     ABORTED = "aborted"
     TIME_LIMIT = "time_limit"
     ERROR = "error"  # the step that carried the request failed
+    QUEUE_TIMEOUT = "queue_timeout"  # not admitted within max_queue_ms
 
     @property
     def simple(self) -> str:
@@ -36,6 +37,7 @@ _SIMPLE = {
     FinishReason.ABORTED: "abort",
     FinishReason.TIME_LIMIT: "abort",
     FinishReason.ERROR: "error",
+    FinishReason.QUEUE_TIMEOUT: "abort",
 }
 
 
@@ -89,6 +91,8 @@ class Request:
         self.token_times: list[float] = []
         self.abort_time: float | None = None
         self.released_time: float | None = None  # its KV blocks went back to the pool
+        self.queue_deadline: float | None = None  # monotonic; must be admitted before
+        self.time_deadline: float | None = None  # monotonic; ends with TIME_LIMIT after
 
     @property
     def num_tokens(self) -> int:

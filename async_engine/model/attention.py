@@ -1,8 +1,7 @@
 """Attention over a paged KV cache for one packed, variable-length batch.
 
-The step's layout (which sequences decode, their gathered block tables, masks) is the same in
-every layer, so ``AttentionPlan`` works it out once per forward and each layer only runs
-tensor ops: a couple of dozen per layer instead of a Python loop over sequences.
+The step's layout (which sequences decode, their block tables, masks) is the same in every
+layer, so ``AttentionPlan`` works it out once per forward and each layer only runs tensor ops.
 """
 
 from __future__ import annotations
@@ -31,12 +30,15 @@ class AttentionPlan:
     num_tokens: int
     # Decode sequences (query_len == 1) run as one batched call.
     decode_rows: torch.Tensor | None  # their rows in the batch; None when every row decodes
-    decode_blocks: torch.Tensor | None  # [Bd, blocks needed by the longest context]
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, L] bool, None when no padding is masked
+    decode_blocks: torch.Tensor | None  # [Bd, blocks the longest context needs]; None: no decode
+    # Masks the padding past each context: a bool [Bd, 1, 1, L] for SDPA, an additive float
+    # bias of that shape for the bmm path; None when nothing needs masking.
+    decode_mask: torch.Tensor | None
+    decode_bmm: bool  # bmm path instead of SDPA (see _decode)
     prefills: list[Prefill]
 
     @classmethod
-    def build(cls, batch: ForwardBatch, block_size: int) -> AttentionPlan:
+    def build(cls, batch: ForwardBatch, block_size: int, decode_bmm: bool) -> AttentionPlan:
         q_lens, ctx_lens = batch.query_lens, batch.context_lens
         if len(q_lens) != len(ctx_lens):
             raise ValueError(f"{len(q_lens)} query_lens but {len(ctx_lens)} context_lens")
@@ -50,7 +52,7 @@ class AttentionPlan:
             if q == 1:
                 decode.append(i)
             else:
-                prefills.append(_prefill(batch, i, start, q, ctx, block_size, device))
+                prefills.append(_prefill(batch, i, start, q, ctx, block_size))
             start += q
         if start != batch.input_ids.shape[0]:
             raise ValueError(f"query_lens sum to {start}, batch has {batch.input_ids.shape[0]}")
@@ -59,6 +61,8 @@ class AttentionPlan:
         if decode:
             d_ctx = [ctx_lens[i] for i in decode]
             num_blocks = -(-max(d_ctx) // block_size)
+            if num_blocks > batch.block_tables.shape[1]:
+                raise ValueError(f"context {max(d_ctx)} needs more blocks than block_tables has")
             if len(decode) == len(q_lens):
                 blocks = batch.block_tables[:, :num_blocks]
             else:
@@ -67,21 +71,25 @@ class AttentionPlan:
             span = num_blocks * block_size
             if min(d_ctx) < span:
                 lens = torch.tensor(d_ctx, device=device)
-                mask = torch.arange(span, device=device) < lens[:, None]
-                mask = mask.view(len(decode), 1, 1, span)
-        return cls(start, rows, blocks, mask, prefills)
+                valid = (torch.arange(span, device=device) < lens[:, None]).view(-1, 1, 1, span)
+                if decode_bmm:
+                    mask = torch.zeros(valid.shape, device=device).masked_fill_(~valid, -torch.inf)
+                else:
+                    mask = valid
+        return cls(start, rows, blocks, mask, decode_bmm, prefills)
 
 
-def _prefill(
-    batch: ForwardBatch, i: int, start: int, q: int, ctx: int, block_size: int, device
-) -> Prefill:
+def _prefill(batch: ForwardBatch, i: int, start: int, q: int, ctx: int, block_size: int) -> Prefill:
     if q == ctx:  # nothing cached before it: its own keys suffice
         return Prefill(start, q, ctx, None, None)
-    blocks = batch.block_tables[i, : -(-ctx // block_size)]
+    num_blocks = -(-ctx // block_size)
+    if num_blocks > batch.block_tables.shape[1]:
+        raise ValueError(f"sequence {i}: context {ctx} needs more blocks than block_tables has")
+    device = batch.block_tables.device
     # Query j sits at position ctx - q + j and sees every key up to and including itself.
     q_pos = torch.arange(ctx - q, ctx, device=device)
     mask = torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]
-    return Prefill(start, q, ctx, blocks, mask)
+    return Prefill(start, q, ctx, batch.block_tables[i, :num_blocks], mask)
 
 
 def paged_attention(
@@ -94,23 +102,15 @@ def paged_attention(
     plan: AttentionPlan,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend; returns [T, H * D]."""
-    _, block_size, kv_heads, head_dim = k_cache.shape
+    _, _, kv_heads, head_dim = k_cache.shape
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
-    num_heads = q.shape[1]
-    width = num_heads * head_dim
+    width = q.shape[1] * head_dim
 
     decoded = None
     if plan.decode_blocks is not None:
         q_dec = q if plan.decode_rows is None else q[plan.decode_rows]
-        batch = q_dec.shape[0]
-        # With one query per sequence, the G query heads sharing a KV head can be treated as G
-        # query rows against that head: GQA without repeating K/V, and no transposes of q.
-        q_dec = q_dec.reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
-        k_ctx = k_cache[plan.decode_blocks].view(batch, -1, kv_heads, head_dim).transpose(1, 2)
-        v_ctx = v_cache[plan.decode_blocks].view(batch, -1, kv_heads, head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q_dec, k_ctx, v_ctx, attn_mask=plan.decode_mask)
-        decoded = out.view(batch, width)
+        decoded = _decode(q_dec, k_cache, v_cache, plan).view(-1, width)
         if plan.decode_rows is None:
             return decoded
 
@@ -119,14 +119,13 @@ def paged_attention(
         result[plan.decode_rows] = decoded
     for p in plan.prefills:
         rows = slice(p.start, p.start + p.query_len)
-        q_seq = q[rows].transpose(0, 1)
         if p.blocks is None:
             k_seq, v_seq = k[rows], v[rows]
         else:
-            k_seq = k_cache[p.blocks].view(-1, kv_heads, head_dim)[: p.context_len]
-            v_seq = v_cache[p.blocks].view(-1, kv_heads, head_dim)[: p.context_len]
+            k_seq = _gather(k_cache, p.blocks[None])[0, : p.context_len]
+            v_seq = _gather(v_cache, p.blocks[None])[0, : p.context_len]
         out = F.scaled_dot_product_attention(
-            q_seq,
+            q[rows].transpose(0, 1),
             k_seq.transpose(0, 1),
             v_seq.transpose(0, 1),
             attn_mask=p.mask,
@@ -135,3 +134,37 @@ def paged_attention(
         )
         result[rows] = out.transpose(0, 1).reshape(p.query_len, width)
     return result
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """[B, n] block ids -> [B, n * block_size, KV, D]; whole blocks move as rows (memcpy speed,
+    ~8x faster than advanced indexing)."""
+    rows = cache.view(cache.shape[0], -1).index_select(0, blocks.reshape(-1))
+    return rows.view(blocks.shape[0], -1, cache.shape[2], cache.shape[3])
+
+
+def _decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan
+) -> torch.Tensor:
+    """One query per sequence, all sequences at once; returns [B, KV, G, D]."""
+    batch, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    # The G query heads sharing a KV head act as G query rows against it: GQA without
+    # repeating K/V, and q keeps its memory layout (head h = kv * G + g).
+    q = q.reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
+    k = _gather(k_cache, plan.decode_blocks).transpose(1, 2)  # [B, KV, L, D]
+    v = _gather(v_cache, plan.decode_blocks).transpose(1, 2)
+    if not plan.decode_bmm:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask)
+    # Two batched matmuls over contiguous per-head K/V: ~1.7x faster than the fused CPU kernel
+    # at decode sizes in bf16 (not in float32). Scores are rounded to the model dtype before
+    # the float32 softmax, where the fused kernel keeps them in float32.
+    span = k.shape[2]
+    k = k.reshape(batch * kv_heads, span, head_dim)
+    v = v.reshape(batch * kv_heads, span, head_dim)
+    scores = torch.bmm(q.reshape(batch * kv_heads, -1, head_dim), k.transpose(1, 2))
+    scores = scores.view(batch, kv_heads, -1, span).float() * head_dim**-0.5
+    if plan.decode_mask is not None:
+        scores = scores + plan.decode_mask
+    probs = torch.softmax(scores, -1).to(q.dtype).view(batch * kv_heads, -1, span)
+    return torch.bmm(probs, v)

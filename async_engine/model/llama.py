@@ -115,6 +115,8 @@ class LlamaModel(nn.Module):
             self.embed if cfg.tie_word_embeddings else _param(*self.embed.shape, dtype=dtype)
         )
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # Decode attention through two bmm's is faster in half precision, SDPA in float32.
+        self.decode_bmm = dtype != torch.float32
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         """Per layer (K, V), each [num_blocks, block_size, kv_heads, head_dim], zeroed."""
@@ -136,7 +138,7 @@ class LlamaModel(nn.Module):
         """Float32 logits [S, vocab] for the rows in ``batch.logits_indices``."""
         if len(kv_cache) != len(self.layers):
             raise ValueError(f"kv_cache has {len(kv_cache)} layers, model has {len(self.layers)}")
-        plan = AttentionPlan.build(batch, kv_cache[0][0].shape[1])
+        plan = AttentionPlan.build(batch, kv_cache[0][0].shape[1], self.decode_bmm)
         cos, sin = self._rope(batch.positions)
         x = F.embedding(batch.input_ids, self.embed)
         for layer, kv in zip(self.layers, kv_cache, strict=True):
