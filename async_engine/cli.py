@@ -91,15 +91,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_profile_parser(sub: Any) -> None:
+    # Imported here, not at the top: runtime modules must not import profiling on import.
+    from profiling.cli import add_parser
+
+    add_parser(sub, _engine_args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="async-engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="JSONL requests on stdin -> JSONL results, in order")
     _engine_args(gen)
     gen.set_defaults(func=cmd_generate)
-    from async_engine import bench
+    from async_engine import bench, client_cli, serve_cli
 
     bench.add_parser(sub, _engine_args)
+    _add_profile_parser(sub)
+    serve_cli.add_parser(sub, _engine_args)
+    client_cli.add_parser(sub, _engine_args)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from async_engine.config import EngineConfig
 from async_engine.inputs import DuplicateRequestError, InputBuilder, InputLimits, QueueFullError
 from async_engine.model import build_model, load_model_config, resolve_model
@@ -31,6 +33,7 @@ from streams.device import DeviceSpec, create_device
 from streams.plan import StepPlan, StepResult
 
 StepFuture = asyncio.Future  # resolves to StepResult
+log = structlog.get_logger("async_engine")
 
 
 class EngineClosedError(RuntimeError):
@@ -318,6 +321,8 @@ class AsyncEngine:
     def _apply(self, plan: StepPlan, result: StepResult) -> None:
         start = time.monotonic()
         if result.error is not None:
+            log.warning("step_failed", step=plan.step_id, error=result.error,
+                        requests=len(plan.request_ids))  # fmt: skip
             touched = self.scheduler.fail_step(plan)
         else:
             touched = self.scheduler.update_from_output(

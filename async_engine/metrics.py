@@ -35,9 +35,15 @@ class ServerMetrics:
         self.model_name = model_name
         self.block_size = block_size
         m = ["model_name"]
-        self.running = Gauge("vllm:num_requests_running", "Requests running on the device", m, registry=reg)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be admitted", m, registry=reg)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full)", m, registry=reg)
+        self.running = Gauge(
+            "vllm:num_requests_running", "Requests running on the device", m, registry=reg
+        )
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be admitted", m, registry=reg
+        )
+        self.kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV cache usage (1 = full)", m, registry=reg
+        )
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", m,
                               buckets=TTFT_BUCKETS, registry=reg)  # fmt: skip
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency", m,
@@ -48,8 +54,12 @@ class ServerMetrics:
                                buckets=REQUEST_BUCKETS, registry=reg)  # fmt: skip
         self.preemptions = Counter("vllm:num_preemptions", "Preemptions", m, registry=reg)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens", m, registry=reg)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", m, registry=reg)
-        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix cache lookups", m, registry=reg)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Generated tokens", m, registry=reg
+        )
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries", "Prefix cache lookups", m, registry=reg
+        )
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits", m, registry=reg)
         self.success = Counter("vllm:request_success", "Finished requests", m + ["finished_reason"],
                                registry=reg)  # fmt: skip

@@ -48,7 +48,9 @@ class _Call:
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, limits: Limits | None = None) -> None:
+    def __init__(
+        self, engine: AsyncEngine, metrics: ServerMetrics, limits: Limits | None = None
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.limits = limits or Limits()
@@ -117,11 +119,15 @@ class GenerationService(pb_grpc.GenerationServicer):
         async for index, delta in _merge(self.engine, call.children):
             if seq == 0:
                 _raise_if_failed(call, delta)
-                yield accepted_msg(0, call.request_id, delta.num_prompt_tokens, delta.num_cached_tokens)
+                yield accepted_msg(
+                    0, call.request_id, delta.num_prompt_tokens, delta.num_cached_tokens
+                )
                 seq = 1
             if delta.token_ids or delta.text:
                 if delta.offset != emitted[index]:  # an engine bug; never send a gap
-                    raise internal(f"output offset {delta.offset} != {emitted[index]}", call.request_id)
+                    raise internal(
+                        f"output offset {delta.offset} != {emitted[index]}", call.request_id
+                    )
                 yield chunk_msg(seq, index, delta)
                 seq += 1
                 emitted[index] += len(delta.token_ids)
@@ -145,7 +151,9 @@ class GenerationService(pb_grpc.GenerationServicer):
             self.idle.set()
 
     # ------------------------------------------------------------ unary RPCs
-    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
         aborted, unknown = [], []
         for rid in request.request_ids:
             call = self.calls.get(rid)
@@ -174,7 +182,9 @@ class GenerationService(pb_grpc.GenerationServicer):
             device=str(engine.device_kind),
         )
 
-    async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.Load:
+    async def GetLoad(
+        self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Load:
         stats = self.engine.stats()
         return pb.Load(
             running=stats.running,
@@ -187,14 +197,14 @@ class GenerationService(pb_grpc.GenerationServicer):
 
 def _raise_if_failed(call: _Call, delta: RequestDelta) -> None:
     if delta.finish_reason is FinishReason.QUEUE_TIMEOUT:
-        raise resource_exhausted(
-            "request was not admitted within max_queue_ms", "QUEUE_TIMEOUT"
-        )
+        raise resource_exhausted("request was not admitted within max_queue_ms", "QUEUE_TIMEOUT")
     if delta.finish_reason is FinishReason.ERROR:
         raise internal("the model step running this request failed", call.request_id)
 
 
-async def _merge(engine: AsyncEngine, children: list[Request]) -> AsyncIterator[tuple[int, RequestDelta]]:
+async def _merge(
+    engine: AsyncEngine, children: list[Request]
+) -> AsyncIterator[tuple[int, RequestDelta]]:
     """(index, delta) from every child, as they come. Pulls only when the caller asks, so
     each child's stream keeps coalescing for a slow reader instead of queueing here."""
     if len(children) == 1:

@@ -70,7 +70,9 @@ def decode_request(msg: pb.GenerateRequest, limits: Limits) -> Submission:
             f"request_id is longer than {limits.max_request_id_chars} characters", "request_id"
         )
     if len(msg.tenant) > limits.max_tenant_chars:
-        raise invalid_argument(f"tenant is longer than {limits.max_tenant_chars} characters", "tenant")
+        raise invalid_argument(
+            f"tenant is longer than {limits.max_tenant_chars} characters", "tenant"
+        )
     prompt, messages, prompt_field = _decode_prompt(msg, limits)
     n = msg.sampling.n or 1
     if n > limits.max_n:
@@ -102,7 +104,9 @@ def _decode_prompt(
         raise invalid_argument("prompt: set one of text, token_ids or chat", "prompt")
     if kind == "text":
         if len(msg.text) > limits.max_prompt_chars:
-            raise invalid_argument(f"text is longer than {limits.max_prompt_chars} characters", "text")
+            raise invalid_argument(
+                f"text is longer than {limits.max_prompt_chars} characters", "text"
+            )
         return msg.text, None, "text"
     if kind == "token_ids":
         ids = list(msg.token_ids.ids)
@@ -178,7 +182,9 @@ _REASONS = {
 }
 
 
-def accepted(seq: int, request_id: str, prompt_tokens: int, cached_tokens: int) -> pb.GenerateResponse:
+def accepted(
+    seq: int, request_id: str, prompt_tokens: int, cached_tokens: int
+) -> pb.GenerateResponse:
     return pb.GenerateResponse(
         seq=seq,
         accepted=pb.Accepted(
@@ -197,7 +203,9 @@ def chunk(seq: int, index: int, delta: RequestDelta) -> pb.GenerateResponse:
     return pb.GenerateResponse(seq=seq, chunk=msg)
 
 
-def finished(seq: int, index: int, delta: RequestDelta, completion_tokens: int) -> pb.GenerateResponse:
+def finished(
+    seq: int, index: int, delta: RequestDelta, completion_tokens: int
+) -> pb.GenerateResponse:
     """The Finished message of a final delta whose reason is a normal end (not an error)."""
     reason = delta.finish_reason
     if reason not in _REASONS:

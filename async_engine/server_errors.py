@@ -74,7 +74,9 @@ def field_path(message: str, prompt_field: str = "prompt") -> str:
     return _FIELD_PATHS.get(name, name) + rest
 
 
-def invalid_argument(message: str, field_name: str | None = None, *, prompt_field: str = "prompt") -> RpcFailure:
+def invalid_argument(
+    message: str, field_name: str | None = None, *, prompt_field: str = "prompt"
+) -> RpcFailure:
     path = field_name if field_name is not None else field_path(message, prompt_field)
     violation = error_details_pb2.BadRequest.FieldViolation(field=path, description=message)
     return RpcFailure(

@@ -76,10 +76,13 @@ class ModelRunner:
         batch = self._prepare(plan)
         logits = self.model(batch, self.kv_cache)
         sampled_slots = [s for s, do in zip(plan.slots, plan.sample, strict=True) if do]
+        if not sampled_slots:  # only partial prefill chunks this step
+            return [], None, None
         states = [self.states[s] for s in sampled_slots]
         result = self.sampler.sample(logits, states)
         token_tensor = torch.tensor(result.tokens, dtype=torch.long, device=self.device)
-        self.token_buffer[torch.tensor(sampled_slots, device=self.device)] = token_tensor
+        rows = torch.tensor(sampled_slots, dtype=torch.long, device=self.device)
+        self.token_buffer[rows] = token_tensor
         return result.tokens, result.logprobs, result.top_logprobs
 
     def _prepare(self, plan: StepPlan) -> ForwardBatch:

@@ -124,15 +124,16 @@ def paged_attention(
         else:
             k_seq = _gather(k_cache, p.blocks[None])[0, : p.context_len]
             v_seq = _gather(v_cache, p.blocks[None])[0, : p.context_len]
+        # 4-D on purpose: with 3-D inputs and GQA, SDPA falls back to its ~3x slower math path.
         out = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1),
-            k_seq.transpose(0, 1),
-            v_seq.transpose(0, 1),
+            q[rows].transpose(0, 1)[None],
+            k_seq.transpose(0, 1)[None],
+            v_seq.transpose(0, 1)[None],
             attn_mask=p.mask,
             is_causal=p.mask is None,
             enable_gqa=True,
         )
-        result[rows] = out.transpose(0, 1).reshape(p.query_len, width)
+        result[rows] = out[0].transpose(0, 1).reshape(p.query_len, width)
     return result
 
 

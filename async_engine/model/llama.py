@@ -21,6 +21,7 @@ from .attention import AttentionPlan, paged_attention
 from .config import ModelConfig
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+PACK_BATCH_HINT = 32  # rows oneDNN tunes the packed layout for: a decode batch
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -48,8 +49,34 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # float32 statistics whatever the model dtype, then back: what HF's LlamaRMSNorm does.
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    # The fused kernel keeps float32 statistics for half-precision inputs, like HF's
+    # LlamaRMSNorm, in one op instead of five; in half precision it rounds once where HF
+    # rounds twice. A [heads, D] weight (Qwen3 q/k norm) cannot go into the kernel.
+    if weight.dim() == 1:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked layout of a [out, in] CPU weight, or ``weight`` itself where unsupported.
+
+    oneDNN otherwise re-blocks the weight on every call: packing once makes decode-sized
+    matmuls ~20% faster in bf16 and ~2x in float32 (measured on AVX-512 with one thread).
+    """
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return weight
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+        linear(torch.zeros(1, weight.shape[1], dtype=weight.dtype), packed)  # usable here?
+    except (RuntimeError, AttributeError):  # e.g. fp16 on a CPU without AVX512-FP16
+        return weight
+    return nn.Parameter(packed, requires_grad=False)
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -79,6 +106,10 @@ class DecoderLayer(nn.Module):
         self.gate_up = _param(2 * cfg.intermediate_size, hidden, dtype=dtype)
         self.down = _param(hidden, cfg.intermediate_size, dtype=dtype)
 
+    def pack_weights(self) -> None:
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            setattr(self, name, pack_weight(getattr(self, name)))
+
     def forward(
         self,
         x: torch.Tensor,
@@ -89,7 +120,7 @@ class DecoderLayer(nn.Module):
         plan: AttentionPlan,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv = F.linear(rms_norm(x, self.input_norm, self.eps), self.qkv, self.qkv_bias)
+        qkv = linear(rms_norm(x, self.input_norm, self.eps), self.qkv, self.qkv_bias)
         qk = qkv[:, : self.qk_heads * self.head_dim].view(tokens, self.qk_heads, self.head_dim)
         if self.qk_norm is not None:
             qk = rms_norm(qk, self.qk_norm, self.eps)
@@ -99,9 +130,9 @@ class DecoderLayer(nn.Module):
         attn = paged_attention(
             qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv[0], kv[1], slot_mapping, plan
         )
-        x = x + F.linear(attn, self.o_proj)
-        gate_up = F.linear(rms_norm(x, self.post_norm, self.eps), self.gate_up)
-        return x + F.linear(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :], self.down)
+        x = x + linear(attn, self.o_proj)
+        gate_up = linear(rms_norm(x, self.post_norm, self.eps), self.gate_up)
+        return x + linear(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :], self.down)
 
 
 class LlamaModel(nn.Module):
@@ -144,7 +175,7 @@ class LlamaModel(nn.Module):
         for layer, kv in zip(self.layers, kv_cache, strict=True):
             x = layer(x, cos, sin, kv, batch.slot_mapping, plan)
         x = rms_norm(x[batch.logits_indices], self.norm, self.cfg.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return linear(x, self.lm_head).float()
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin, [T, 1, head_dim] in model dtype (HF rounds them the same)."""
@@ -154,11 +185,20 @@ class LlamaModel(nn.Module):
         sin = torch.cat((-sin, sin), -1)
         return cos.to(self.dtype).unsqueeze(1), sin.to(self.dtype).unsqueeze(1)
 
+    def pack_weights(self) -> None:
+        """Switch matmul weights to oneDNN's packed layout (CPU); call after load_weights."""
+        for layer in self.layers:
+            layer.pack_weights()
+        # A tied head gets its own packed copy: the embedding lookup needs the plain one.
+        self.lm_head = pack_weight(self.lm_head)
+
     @torch.no_grad()
     def load_weights(self, folder: str | Path) -> None:
         """Load HF-named tensors from every ``*.safetensors`` in ``folder``."""
         from safetensors import safe_open
 
+        if self.layers[0].qkv.is_mkldnn:
+            raise RuntimeError("load_weights must come before pack_weights")
         files = sorted(Path(folder).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {folder}")

@@ -77,6 +77,7 @@ def build_model(folder: str, dtype: str, device: str = "cpu") -> LlamaModel:
     with torch.device(device):  # allocate in place, no CPU copy first
         model = LlamaModel(cfg, DTYPES[dtype])
     model.load_weights(folder)
+    model.pack_weights()
     model.eval()
     model.requires_grad_(False)
     return model

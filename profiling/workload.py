@@ -1,0 +1,154 @@
+"""The built-in decode-heavy workload behind `async-engine profile`, and the tracer's cost.
+
+Decode-heavy on purpose: that is where the control plane's share of a step is largest and
+where overlap matters most (short prompts, one prefill step, then ``steps`` decode steps).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from profiling.nvtx import profiler_start, profiler_stop
+from profiling.report import Report, analyze
+from profiling.trace import Trace
+from profiling.tracer import StepTracer
+from sampler.params import SamplingParams
+
+
+@dataclass(slots=True)
+class Workload:
+    steps: int = 100  # decode steps (each request generates this many tokens)
+    requests: int = 32
+    prompt_len: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "requests", "prompt_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    def prompts(self, vocab_size: int) -> list[list[int]]:
+        rng = random.Random(self.seed)
+        low = min(100, vocab_size // 2)  # skip the special tokens many tokenizers put first
+        return [[rng.randrange(low, vocab_size) for _ in range(self.prompt_len)]
+                for _ in range(self.requests)]  # fmt: skip
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=self.steps, ignore_eos=True)
+
+
+@dataclass(slots=True)
+class ProfileRun:
+    overlap: bool
+    trace: Trace
+    report: Report
+    tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+def _check_fits(llm: Any, workload: Workload) -> None:
+    limit = llm.engine.max_model_len
+    if workload.prompt_len + workload.steps > limit:
+        raise ValueError(
+            f"steps: prompt_len + steps = {workload.prompt_len + workload.steps} exceeds the "
+            f"model's context length {limit}"
+        )
+
+
+def _warm_up(llm: Any, prompts: list[list[int]]) -> None:
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))
+
+
+def run_profile(options: dict[str, Any], workload: Workload, cuda_window: bool = False) -> ProfileRun:
+    """Run the workload once with a tracer attached; cuda_window brackets the traced part with
+    cudaProfilerStart/Stop (for ``nsys --capture-range=cudaProfilerApi``)."""
+    from async_engine.llm import LLM
+
+    with LLM(**options) as llm:
+        _check_fits(llm, workload)
+        prompts = workload.prompts(llm.engine.model_config.vocab_size)
+        _warm_up(llm, prompts)
+        tracer = StepTracer.attach(llm.engine)
+        if cuda_window:
+            profiler_start()
+        try:
+            start = time.perf_counter()
+            outs = llm.generate(prompts, workload.params())
+            seconds = time.perf_counter() - start
+        finally:
+            if cuda_window:
+                profiler_stop()
+            llm.engine.observer = None
+            tracer.close()
+    trace = tracer.snapshot()
+    tokens = sum(len(o.token_ids) for o in outs)
+    return ProfileRun(options.get("overlap", True), trace, analyze(trace), tokens, seconds)
+
+
+@dataclass(slots=True)
+class Overhead:
+    tokens_per_s_off: list[float]
+    tokens_per_s_on: list[float]
+    callback_us_per_step: float  # the tracer's own time per step (5 phases + 1 device span)
+    mean_step_s: float
+
+    @property
+    def throughput_ratio(self) -> float:
+        """Median tokens/s with the tracer over without (1.0 = free); noisy on a busy machine."""
+        return statistics.median(self.tokens_per_s_on) / statistics.median(self.tokens_per_s_off)
+
+    @property
+    def estimated_cost(self) -> float:
+        """Callback time as a share of a step: the cost with the machine's noise taken out."""
+        return self.callback_us_per_step * 1e-6 / self.mean_step_s if self.mean_step_s else 0.0
+
+
+def measure_overhead(options: dict[str, Any], workload: Workload, rounds: int = 3) -> Overhead:
+    """Tokens/s with the tracer off and on, interleaved in one engine so drift cancels."""
+    from async_engine.llm import LLM
+
+    off: list[float] = []
+    on: list[float] = []
+    steps: list[float] = []
+    with LLM(**options) as llm:
+        _check_fits(llm, workload)
+        prompts = workload.prompts(llm.engine.model_config.vocab_size)
+        _warm_up(llm, prompts)
+        for _ in range(rounds):
+            for traced in (False, True):
+                tracer = StepTracer.attach(llm.engine) if traced else None
+                start = time.perf_counter()
+                outs = llm.generate(prompts, workload.params())
+                seconds = time.perf_counter() - start
+                llm.engine.observer = None
+                tokens = sum(len(o.token_ids) for o in outs)
+                (on if traced else off).append(tokens / seconds)
+                if tracer is not None:
+                    steps.append(seconds / max(1, len(tracer)))
+    return Overhead(off, on, callback_cost_us(workload.requests), statistics.median(steps))
+
+
+def callback_cost_us(batch: int, repeats: int = 20_000) -> float:
+    """Microseconds the tracer spends per step, timed on a synthetic decode step."""
+    from streams.plan import StepPlan, StepResult
+
+    plan = StepPlan(0, [f"r{i}" for i in range(batch)], list(range(batch)), [1] * batch,
+                    [64] * batch, [0] * batch, [63] * batch, [0] * batch, [[0]] * batch,
+                    [True] * batch)  # fmt: skip
+    result = StepResult(0, [0] * batch, device_start=1.0, device_end=2.0)
+    tracer = StepTracer(nvtx=False)
+    start = time.perf_counter()
+    for i in range(repeats):
+        for name in ("schedule", "launch", "wait", "apply", "stream"):
+            tracer.on_phase(name, i, 1.0, 2.0)
+        tracer.on_device(plan, result)
+    return (time.perf_counter() - start) / repeats * 1e6

@@ -1,0 +1,219 @@
+"""Engine behaviour on a tiny random Llama: sampling, aborts, prefix cache, stops, failures."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from async_engine import LLM, AsyncEngine, SamplingParams
+from async_engine.request import FinishReason
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model: Path):
+    with LLM(str(tiny_model), dtype="float32", device="cpu", num_kv_blocks=256) as llm:
+        yield llm
+
+
+def prompt(n: int, start: int = 100) -> list[int]:
+    return [start + (i * 7) % 900 for i in range(n)]
+
+
+def test_results_come_back_in_input_order(llm):
+    prompts = [prompt(n, start=s) for n, s in ((40, 100), (3, 500), (17, 900))]
+    alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+    together = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert together == alone
+
+
+def test_seeded_sampling_is_the_same_whatever_else_is_in_the_batch(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    others = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([prompt(20)], seeded)[0].token_ids
+    batch = [prompt(5, 300), prompt(20), prompt(33, 700)]
+    mixed = llm.generate(batch, [others, seeded, others])[1].token_ids
+    assert mixed == alone
+
+
+def test_different_seeds_give_different_tokens(llm):
+    outs = llm.generate(
+        [prompt(20), prompt(20)],
+        [SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True) for s in (1, 2)],
+    )
+    assert outs[0].token_ids != outs[1].token_ids
+
+
+def test_max_tokens_ends_with_length(llm):
+    out = llm.generate([prompt(8)], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert len(out[0].token_ids) == 5 and out[0].finish_reason == "length"
+
+
+def test_stop_token_id_ends_with_stop_and_counts_the_wasted_token(llm):
+    free = llm.generate([prompt(9)], GREEDY)[0].token_ids
+    stop_at = free[3]
+    before = llm.stats().wasted_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_at])
+    out = llm.generate([prompt(9)], params)[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+    assert out.token_ids == free[: free.index(stop_at) + 1]
+    # Under overlap the next step was already launched for it: its token is dropped, counted.
+    assert _settled(llm).wasted_tokens == before + 1
+
+
+def test_min_tokens_holds_back_a_stop_token(llm):
+    free = llm.generate([prompt(9)], GREEDY)[0].token_ids
+    params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12, stop_token_ids=[free[0]])
+    out = llm.generate([prompt(9)], params)[0]
+    assert len(out.token_ids) == 12 and free[0] not in out.token_ids
+
+
+def test_stop_string_is_cut_from_the_text(llm):
+    free = llm.generate([prompt(9)], GREEDY)[0]
+    stop = free.text[4:7]
+    if not stop.strip():
+        pytest.skip("the tiny model produced blank text here")
+    params = SamplingParams(temperature=0.0, max_tokens=12, stop=[stop])
+    out = llm.generate([prompt(9)], params)[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == free.text[: free.text.index(stop)]
+    kept = llm.generate(
+        [prompt(9)], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop],
+                                    include_stop_str_in_output=True),
+    )[0]  # fmt: skip
+    assert kept.text == out.text + stop
+
+
+def test_a_repeated_long_prefix_is_served_from_the_cache(llm):
+    shared = prompt(100, 200)
+    first = llm.generate([shared + [11, 12]], GREEDY)[0]
+    second = llm.generate([shared + [11, 12]], GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 96  # six full 16-token blocks
+    assert second.token_ids == first.token_ids
+
+
+def test_all_blocks_return_to_the_pool_after_requests_end(llm):
+    llm.generate([prompt(50), prompt(70, 300)], GREEDY)
+    stats = _settled(llm)
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+def _settled(llm):
+    # The last launched step may still hold blocks for a moment after the final token.
+    async def settle():
+        engine = llm.engine
+        while engine.scheduler.completed_step_id < engine.scheduler.next_step_id - 1:
+            await asyncio.sleep(0.005)
+        return engine.stats()
+
+    return llm._runner.run(settle())
+
+
+BAD_PARAMS = [
+    ("max_tokens", dict(max_tokens=0)),
+    ("min_tokens", dict(min_tokens=5, max_tokens=2)),
+    ("temperature", dict(temperature=-1.0)),
+    ("temperature", dict(temperature=float("nan"))),
+    ("top_p", dict(top_p=0.0)),
+    ("top_p", dict(top_p=1.5)),
+    ("top_k", dict(top_k=-2)),
+    ("min_p", dict(min_p=1.5)),
+    ("presence_penalty", dict(presence_penalty=float("inf"))),
+    ("frequency_penalty", dict(frequency_penalty=float("nan"))),
+    ("repetition_penalty", dict(repetition_penalty=float("nan"))),
+    ("n", dict(n=0)),
+    ("stop", dict(stop=[""])),
+]
+
+
+@pytest.mark.parametrize(("field", "kwargs"), BAD_PARAMS, ids=[f for f, _ in BAD_PARAMS])
+def test_bad_sampling_params_name_the_field(field, kwargs):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("bad_prompt", "field"),
+    [([], "prompt"), ("", "prompt"), ([1, 2, 10**9], "prompt"), ([-1], "prompt")],
+    ids=["empty-ids", "empty-text", "id-past-vocab", "negative-id"],
+)
+def test_bad_prompts_name_the_field_and_the_engine_keeps_serving(llm, bad_prompt, field):
+    with pytest.raises(ValueError, match=field):
+        llm.generate([bad_prompt], GREEDY)
+    assert llm.generate([prompt(4)], GREEDY)[0].finish_reason == "length"
+
+
+def test_prompt_plus_max_tokens_over_the_context_is_refused_or_truncated(llm):
+    limit = llm.engine.max_model_len
+    too_long = prompt(limit - 4)
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate([too_long], SamplingParams(max_tokens=10))
+    out = llm.generate([too_long], SamplingParams(max_tokens=10, ignore_eos=True),
+                       truncate_prompt=True)[0]  # fmt: skip
+    assert len(out.prompt_token_ids) == limit - 10 and len(out.token_ids) == 10
+
+
+def test_a_failing_step_fails_only_its_requests(tiny_model):
+    poison = 777
+    with LLM(str(tiny_model), dtype="float32", device="cpu", fail_on_token_id=poison) as llm:
+        outs = llm.generate([prompt(6), [poison, 5, 6]], GREEDY)
+        # Both shared the failing prefill step; a request arriving after it is served.
+        assert [o.finish_reason for o in outs] == ["error", "error"]
+        assert llm.generate([prompt(6)], GREEDY)[0].finish_reason == "length"
+
+
+async def test_abort_ends_the_stream_and_frees_blocks_within_one_step(tiny_model):
+    engine = AsyncEngine(model=str(tiny_model), dtype="float32", device="cpu")
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+        received, reasons, aborted_at = 0, [], None
+        async for delta in engine.generate(prompt(40), params, request_id="victim"):
+            received += len(delta.token_ids)
+            if received >= 3 and aborted_at is None:
+                aborted_at = engine.scheduler.next_step_id - 1  # newest launched step
+                assert await engine.abort("victim")
+            if delta.finished:
+                reasons.append(delta.finish_reason)
+        assert reasons == [FinishReason.ABORTED]
+        while engine.scheduler.completed_step_id < aborted_at:
+            await asyncio.sleep(0.002)
+        # Blocks are back once the step in flight at the abort has completed.
+        assert engine.pool.num_free == engine.pool.num_blocks
+        assert not await engine.abort("victim")  # finished: harmless
+        assert not await engine.abort("never-existed")
+    finally:
+        await engine.aclose()
+
+
+async def test_a_consumer_that_stops_reading_aborts_its_request(tiny_model):
+    engine = AsyncEngine(model=str(tiny_model), dtype="float32", device="cpu")
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+        gen = engine.generate(prompt(10), params, request_id="leaver")
+        async for _ in gen:
+            break
+        await gen.aclose()
+        assert engine.scheduler.requests.get("leaver") is None or (
+            engine.scheduler.requests["leaver"].finish_reason is FinishReason.ABORTED
+        )
+        while engine.scheduler.requests:
+            await asyncio.sleep(0.002)
+        assert engine.pool.num_free == engine.pool.num_blocks
+    finally:
+        await engine.aclose()
+
+
+def test_overlap_on_and_off_give_identical_seeded_outputs(tiny_model):
+    params = [
+        SamplingParams(temperature=0.8, seed=s, max_tokens=10, ignore_eos=True) for s in range(4)
+    ]
+    prompts = [prompt(n, 100 + n) for n in (3, 30, 47, 64)]
+    results = []
+    for overlap in (True, False):
+        with LLM(str(tiny_model), dtype="float32", device="cpu", overlap=overlap) as llm:
+            results.append([o.token_ids for o in llm.generate(prompts, params)])
+    assert results[0] == results[1]
