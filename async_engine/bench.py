@@ -28,7 +28,10 @@ class Workload:
         rng = random.Random(self.seed)
         # Skip the first ids: many tokenizers keep special tokens there.
         return [
-            [rng.randrange(100, vocab_size) for _ in range(rng.randint(self.min_prompt, self.max_prompt))]
+            [
+                rng.randrange(100, vocab_size)
+                for _ in range(rng.randint(self.min_prompt, self.max_prompt))
+            ]
             for _ in range(self.num_requests)
         ]
 

@@ -22,3 +22,10 @@ def configure_logging(level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
+
+
+def ensure_logging(level: str = "info") -> None:
+    """Give an embedded server (tests, benchmarks) JSON logs on stderr unless the host
+    application configured structlog itself; structlog's default would print to stdout."""
+    if not structlog.is_configured():
+        configure_logging(level)

@@ -78,6 +78,12 @@ class ServerMetrics:
         self.tenant_e2e = Histogram("async_engine:tenant_e2e_request_latency_seconds",
                                     "End-to-end request latency by tenant", m + ["tenant"],
                                     buckets=REQUEST_BUCKETS, registry=reg)  # fmt: skip
+        # Create every model-labelled series now, so that counters read 0 before their first event.
+        for metric in (self.running, self.waiting, self.kv_usage, self.ttft, self.itl, self.e2e,
+                       self.queue, self.preemptions, self.prompt_tokens, self.generation_tokens,
+                       self.prefix_queries, self.prefix_hits, self.idle, self.cancel_lag,
+                       self.wasted, self.fragmentation):  # fmt: skip
+            metric.labels(model_name)
         self._tenants: set[str] = set()
         self._last_counts: dict[str, int] = {}
         self._awaiting_release: list[Request] = []

@@ -95,7 +95,9 @@ class OutputProcessor:
         finished = req.finished or matched is not None
         if not new_ids and not finished:
             return None, None
-        end = len(self.text) if finished else max(self.num_emitted_chars, len(self.text) - self.hold)
+        end = (
+            len(self.text) if finished else max(self.num_emitted_chars, len(self.text) - self.hold)
+        )
         delta = RequestDelta(
             request_id=req.request_id,
             offset=self.num_emitted_tokens,

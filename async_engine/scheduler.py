@@ -305,7 +305,9 @@ class Scheduler:
         return None
 
     # ------------------------------------------------------------ finishing
-    def finish(self, req: Request, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+    def finish(
+        self, req: Request, reason: FinishReason, stop_reason: int | str | None = None
+    ) -> None:
         """End a request now (stop, abort, error); its blocks follow its last launched step."""
         if req.finished:
             return

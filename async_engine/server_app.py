@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from async_engine.engine import AsyncEngine
+from async_engine.logs import ensure_logging
 from async_engine.metrics import ServerMetrics
 from async_engine.server import GenerationService
 from async_engine.server_auth import BearerTokenInterceptor
@@ -55,6 +56,7 @@ class ServerOptions:
 
 class GenerationServer:
     def __init__(self, engine: AsyncEngine, options: ServerOptions | None = None) -> None:
+        ensure_logging()
         self.engine = engine
         self.options = opts = options or ServerOptions()
         self.metrics = ServerMetrics(str(engine.config.model), engine.config.block_size)

@@ -1,10 +1,10 @@
 """`async-engine profile`: trace the built-in workload, compare overlap modes, nsys in and out.
 
-    async-engine profile --steps 100 --overlap on --out DIR   # trace.json, timeline.png, report.txt
-    async-engine profile --compare --out DIR                  # both modes, printed side by side
-    async-engine profile --overhead                           # tracer cost on tokens/s
-    async-engine profile --nsys --out DIR                     # the same run under nsys
-    async-engine profile import-nsys FILE.sqlite              # idle gaps from nsys kernels
+async-engine profile --steps 100 --overlap on --out DIR   # trace.json, timeline.png, report.txt
+async-engine profile --compare --out DIR                  # both modes, printed side by side
+async-engine profile --overhead                           # tracer cost on tokens/s
+async-engine profile --nsys --out DIR                     # the same run under nsys
+async-engine profile import-nsys FILE.sqlite              # idle gaps from nsys kernels
 """
 
 from __future__ import annotations
@@ -69,7 +69,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if not args.compare:
         text, _ = _profile_one(options, workload, out, cuda_window=args.nsys_child)
         print(text, end="")
-        print(f"wrote {', '.join(str(out / f) for f in ('trace.json', 'timeline.png', 'report.txt'))}")
+        print(
+            f"wrote {', '.join(str(out / f) for f in ('trace.json', 'timeline.png', 'report.txt'))}"
+        )
         return 0
     return _compare(options, workload, out)
 
@@ -114,8 +116,10 @@ def _print_overhead(options: dict, workload: Any, rounds: int) -> int:
     off = ", ".join(f"{v:.1f}" for v in result.tokens_per_s_off)
     on = ", ".join(f"{v:.1f}" for v in result.tokens_per_s_on)
     print(f"tokens/s tracer off: {off}\ntokens/s tracer on:  {on}")
-    print(f"throughput ratio on/off (medians): {result.throughput_ratio:.4f} "
-          f"(cost {100 * (1 - result.throughput_ratio):+.2f} %, includes machine noise)")
+    print(
+        f"throughput ratio on/off (medians): {result.throughput_ratio:.4f} "
+        f"(cost {100 * (1 - result.throughput_ratio):+.2f} %, includes machine noise)"
+    )
     print(f"tracer callbacks: {result.callback_us_per_step:.1f} us per step, "
           f"{1e3 * result.mean_step_s:.1f} ms per step "
           f"-> estimated cost {100 * result.estimated_cost:.3f} % (target < 1 %)")  # fmt: skip

@@ -8,8 +8,11 @@ Definitions (the same as ``async_engine.stats.DeviceTimeline``, so the numbers a
 - idle fraction = idle / (busy + idle).
 - steady decode: pairs of consecutive steps that both only decode (every query_len == 1);
   their gaps and the busy time of the second step of each pair.
-- blame of a gap: the control-plane phase that overlapped it longest; "untraced" when no phase
-  covered most of it (event-loop wake-up, IPC, GIL, or work outside the traced phases).
+- blame of a gap: "device-side" when the next step's launch had already ended before the gap
+  began (the device had its next plan and did not wait on the control plane: result send,
+  plan receive, IPC inside the device). Otherwise the control-plane phase that overlapped the
+  gap longest, or "untraced" when no phase covered most of it (event-loop wake-up, IPC, GIL,
+  or work outside the traced phases).
 - hidden CPU: the part of a phase that ran while the device was busy, so cost no device time.
 """
 
@@ -19,11 +22,12 @@ import math
 from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, pairwise
 
 from profiling.trace import DeviceSpan, PhaseSpan, Trace
 
 UNTRACED = "untraced"
+DEVICE_SIDE = "device-side"
 BLOCKING_PHASES = ("wait",)  # the control plane is blocked, not computing
 
 
@@ -135,7 +139,8 @@ def analyze(trace: Trace) -> Report:
         mean_batch=sum(d.batch for d in device) / len(device) if device else 0.0,
     )  # fmt: skip
     cover = _Cover(trace.phases)
-    for (_, prev_end, _, prev_last), (start, end, next_first, _) in zip(runs, runs[1:]):
+    launched = {p.step: p.end for p in trace.phases if p.name == "launch" and p.step >= 0}
+    for (_, prev_end, _, prev_last), (start, end, next_first, _) in pairwise(runs):
         prev, nxt = device[prev_last], device[next_first]
         decode = prev.is_decode and nxt.is_decode
         if decode:
@@ -147,7 +152,10 @@ def analyze(trace: Trace) -> Report:
         report.idle_s += start - prev_end
         if decode:
             report.decode_idle_s += start - prev_end
-        overlaps = cover.overlaps(prev_end, start)
+        if launched.get(nxt.step, start) < prev_end:
+            overlaps = {DEVICE_SIDE: start - prev_end}
+        else:
+            overlaps = cover.overlaps(prev_end, start)
         blame = max(overlaps, key=overlaps.__getitem__) if overlaps else UNTRACED
         report.gaps.append(Gap(prev_end, start, prev.step, nxt.step, decode, blame, overlaps))
     report.phases = _phase_stats(trace.phases, busy)

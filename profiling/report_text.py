@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 
-from profiling.report import BLOCKING_PHASES, UNTRACED, Report
+from profiling.report import BLOCKING_PHASES, DEVICE_SIDE, UNTRACED, Report
 
 LEGEND = (
-    f"'{UNTRACED}': no control-plane phase ran (event-loop wake-up, IPC, GIL or untraced work); "
-    "'wait' in a gap: the step's result was still on its way to the control plane."
+    f"  '{DEVICE_SIDE}': the next step was already launched when the gap began, so the device\n"
+    "    waited on itself (result send, plan receive, IPC inside the device), not on us;\n"
+    f"  '{UNTRACED}': no control-plane phase ran (event-loop wake-up, IPC, GIL, untraced work);\n"
+    "  'wait': the control plane was already blocked on the step's result (result hand-off)."
 )
 
 
@@ -30,7 +32,8 @@ def cpu_per_step(report: Report) -> tuple[float, float]:
 
 
 def format_report(report: Report, title: str = "", extra: dict[str, str] | None = None) -> str:
-    lines = [f"== {title or 'step trace'} ({report.source}, {report.steps} steps, "
+    unit = "kernels" if report.source == "nsys" else "steps"  # nsys spans are kernels
+    lines = [f"== {title or 'step trace'} ({report.source}, {report.steps} {unit}, "
              f"window {report.window_s:.3f} s) =="]  # fmt: skip
     for key, value in (extra or {}).items():
         lines.append(f"{key}: {value}")
@@ -59,7 +62,7 @@ def format_report(report: Report, title: str = "", extra: dict[str, str] | None 
         lines.append(f"  {name:<10}{ms(seconds):>10}{pct(share):>9}{counts.get(name, 0):>13}")
     if not blame_s:
         lines.append("  (no idle gaps)")
-    lines += ["  " + LEGEND, "", "control plane per step"]
+    lines += [LEGEND, "", "control plane per step"]
     lines.append(
         f"  {'phase':<10}{'steps':>7}{'mean ms':>9}{'p50 ms':>9}{'p95 ms':>9}"
         f"{'total s':>9}{'hidden':>9}"
@@ -99,7 +102,7 @@ def format_compare(on: Report, off: Report, extra: dict[str, tuple[str, str]] | 
         ("device idle (all steps)", pct(on.idle_fraction), pct(off.idle_fraction)),
         ("device idle (steady decode)", pct(on.decode_idle_fraction), pct(off.decode_idle_fraction)),
         ("gaps n / p50 / p95 / max ms", gaps(on), gaps(off)),
-        ("gap time mostly covered by", blame(on), blame(off)),
+        ("gap time mostly blamed on", blame(on), blame(off)),
         ("control-plane work ms/step", ms(cpu_per_step(on)[0]), ms(cpu_per_step(off)[0])),
         ("... hidden behind the device", pct(cpu_per_step(on)[1]), pct(cpu_per_step(off)[1])),
     ]  # fmt: skip

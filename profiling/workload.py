@@ -68,7 +68,9 @@ def _warm_up(llm: Any, prompts: list[list[int]]) -> None:
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))
 
 
-def run_profile(options: dict[str, Any], workload: Workload, cuda_window: bool = False) -> ProfileRun:
+def run_profile(
+    options: dict[str, Any], workload: Workload, cuda_window: bool = False
+) -> ProfileRun:
     """Run the workload once with a tracer attached; cuda_window brackets the traced part with
     cudaProfilerStart/Stop (for ``nsys --capture-range=cudaProfilerApi``)."""
     from async_engine.llm import LLM

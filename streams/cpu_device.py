@@ -106,6 +106,9 @@ class ProcessDevice(Device):
             raise DeviceError(f"device process is gone (exit code {self._proc.poll()})") from exc
 
     def _recv(self) -> tuple:
+        # An event loop's add_reader may switch the fd to non-blocking; a message that is
+        # only partly written yet must be waited for, not torn.
+        os.set_blocking(self._result_recv.fileno(), True)
         try:
             return self._result_recv.recv()
         except EOFError as exc:

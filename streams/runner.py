@@ -46,6 +46,7 @@ class ModelRunner:
         self.states: dict[int, SlotState] = {}
         self.token_buffer = torch.zeros(256, dtype=torch.long, device=self.device)
         self.fail_on_token_id = fail_on_token_id
+        self.kernels = _cuda_kernels() if self.device.type == "cuda" else None
 
     def run(self, plan: StepPlan) -> StepResult:
         start = time.monotonic()
@@ -82,7 +83,10 @@ class ModelRunner:
         result = self.sampler.sample(logits, states)
         token_tensor = torch.tensor(result.tokens, dtype=torch.long, device=self.device)
         rows = torch.tensor(sampled_slots, dtype=torch.long, device=self.device)
-        self.token_buffer[rows] = token_tensor
+        if self.kernels is not None:
+            self.kernels.scatter_tokens(self.token_buffer, rows, token_tensor)
+        else:
+            self.token_buffer[rows] = token_tensor
         return result.tokens, result.logprobs, result.top_logprobs
 
     def _prepare(self, plan: StepPlan) -> ForwardBatch:
@@ -92,9 +96,11 @@ class ModelRunner:
             token_slots = torch.repeat_interleave(
                 torch.tensor(plan.slots), torch.tensor(plan.query_lens)
             ).to(dev)
-            # torch.where, not a boolean gather: no host sync on CUDA.
-            carried = self.token_buffer[token_slots]
-            input_ids = torch.where(input_ids == PLACEHOLDER, carried, input_ids)
+            if self.kernels is not None:
+                self.kernels.fill_placeholders(input_ids, token_slots, self.token_buffer)
+            else:  # torch.where, not a boolean gather: no host sync
+                carried = self.token_buffer[token_slots]
+                input_ids = torch.where(input_ids == PLACEHOLDER, carried, input_ids)
         width = max(len(t) for t in plan.block_tables)
         tables = torch.zeros(len(plan.block_tables), width, dtype=torch.long)
         for i, table in enumerate(plan.block_tables):
@@ -116,3 +122,13 @@ class ModelRunner:
             bigger = torch.zeros(2 * (slot + 1), dtype=torch.long, device=self.device)
             bigger[: self.token_buffer.numel()] = self.token_buffer
             self.token_buffer = bigger
+
+
+def _cuda_kernels():  # noqa: ANN202 - a module or None
+    try:
+        import cupy  # noqa: F401
+
+        from streams import cuda_kernels
+    except ImportError:
+        return None  # torch fallbacks do the same work
+    return cuda_kernels

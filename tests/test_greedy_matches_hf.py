@@ -32,9 +32,7 @@ def hf_reference(default_model: Path, mixed_prompts: list[list[int]]) -> list[li
 
 def run(default_model: Path, prompts: list[list[int]], **options) -> tuple[list, object]:
     # min_tokens bans EOS exactly like HF's min_new_tokens, so both run all 32 steps.
-    params = SamplingParams(
-        temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS
-    )
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     # A 64-token budget chunks the longer prompts and mixes prefill with decode.
     with LLM(str(default_model), dtype="float32", device="cpu", max_num_batched_tokens=64,
              **options) as llm:  # fmt: skip

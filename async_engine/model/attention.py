@@ -40,8 +40,11 @@ class AttentionPlan:
     @classmethod
     def build(cls, batch: ForwardBatch, block_size: int, decode_bmm: bool) -> AttentionPlan:
         q_lens, ctx_lens = batch.query_lens, batch.context_lens
-        if len(q_lens) != len(ctx_lens):
-            raise ValueError(f"{len(q_lens)} query_lens but {len(ctx_lens)} context_lens")
+        if not len(q_lens) == len(ctx_lens) == batch.block_tables.shape[0]:
+            raise ValueError(
+                f"{len(q_lens)} query_lens, {len(ctx_lens)} context_lens and "
+                f"{batch.block_tables.shape[0]} block_tables rows: one each per sequence"
+            )
         device = batch.block_tables.device
         starts, decode, prefills = [], [], []
         start = 0

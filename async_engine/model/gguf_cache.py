@@ -43,11 +43,15 @@ def convert_gguf_cached(gguf: Path, cache_dir: Path | None, say: Callable[[str],
         fcntl.flock(lock, fcntl.LOCK_EX)
         if _is_valid(target, source):
             return target
+        for orphan in root.glob(f".{gguf.stem}.*"):  # left by a killed conversion
+            if orphan.is_dir():
+                shutil.rmtree(orphan, ignore_errors=True)
         say(f"converting {gguf.name} to safetensors (one time, ~30 s)...")
         tmp = Path(tempfile.mkdtemp(prefix=f".{gguf.stem}.", dir=root))
         try:
             convert_gguf(gguf, tmp)
             (tmp / MARKER).write_text(json.dumps(source))
+            tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
             if target.exists():  # stale: another version or another source file
                 shutil.rmtree(target)
             os.rename(tmp, target)

@@ -86,11 +86,9 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
         self.qk_heads = cfg.num_heads + cfg.num_kv_heads
         self.inter = cfg.intermediate_size
         self.eps = cfg.rms_norm_eps

@@ -1,0 +1,35 @@
+// Write the K and V of new tokens into the paged cache: one thread block per token.
+// Cache layout: [num_blocks * block_size, num_kv_heads * head_dim] (row = KV slot).
+
+#include <cuda_bf16.h>
+
+template <typename T>
+__device__ void store_kv_impl(
+    T* k_cache, T* v_cache, const T* k, const T* v,
+    const long long* slot_mapping, int row_width)
+{
+    long long slot = slot_mapping[blockIdx.x];
+    if (slot < 0) return;  // padding token: nothing to store
+    const T* k_row = k + (long long)blockIdx.x * row_width;
+    const T* v_row = v + (long long)blockIdx.x * row_width;
+    T* k_dst = k_cache + slot * row_width;
+    T* v_dst = v_cache + slot * row_width;
+    for (int j = threadIdx.x; j < row_width; j += blockDim.x) {
+        k_dst[j] = k_row[j];
+        v_dst[j] = v_row[j];
+    }
+}
+
+extern "C" __global__ void store_kv_bf16(
+    __nv_bfloat16* k_cache, __nv_bfloat16* v_cache, const __nv_bfloat16* k,
+    const __nv_bfloat16* v, const long long* slot_mapping, int row_width)
+{
+    store_kv_impl(k_cache, v_cache, k, v, slot_mapping, row_width);
+}
+
+extern "C" __global__ void store_kv_f32(
+    float* k_cache, float* v_cache, const float* k, const float* v,
+    const long long* slot_mapping, int row_width)
+{
+    store_kv_impl(k_cache, v_cache, k, v, slot_mapping, row_width);
+}

@@ -1,0 +1,409 @@
+"""The model layer: config parsing, GGUF caching, and logits/greedy parity with HF transformers."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from async_engine.model import (
+    LlamaModel,
+    ModelConfig,
+    build_model,
+    make_tiny_llama,
+    resolve_model,
+    rope_inv_freq,
+)
+from streams.batch import ForwardBatch
+
+MODEL_DIR = Path(__file__).resolve().parents[1] / "async_engine" / "model"
+BLOCK = 4  # small blocks so short test sequences still span several, out of order
+
+
+class PagedSequences:
+    """Token streams with scattered block tables; builds ForwardBatch for chosen chunks."""
+
+    def __init__(self, tokens: list[list[int]], block_size: int, max_blocks: int) -> None:
+        self.tokens, self.block_size = tokens, block_size
+        self.done = [0] * len(tokens)  # tokens already in the KV cache
+        # Interleaved, descending block ids, never block 0: any paging mistake shows up.
+        n = len(tokens)
+        self.tables = [[1 + i + n * j for j in range(max_blocks)][::-1] for i in range(n)]
+        self.num_blocks = 1 + n * max_blocks
+
+    def batch(self, chunks: list[tuple[int, int]]) -> ForwardBatch:
+        """``chunks``: (sequence, number of new tokens) in packing order."""
+        ids, pos, slots, q_lens, ctx_lens, last = [], [], [], [], [], []
+        for seq, n in chunks:
+            start = self.done[seq]
+            for p in range(start, start + n):
+                ids.append(self.tokens[seq][p])
+                pos.append(p)
+                slots.append(
+                    self.tables[seq][p // self.block_size] * self.block_size + p % self.block_size
+                )
+            self.done[seq] += n
+            q_lens.append(n)
+            ctx_lens.append(start + n)
+            last.append(len(ids) - 1)
+        return ForwardBatch(
+            input_ids=torch.tensor(ids),
+            positions=torch.tensor(pos),
+            slot_mapping=torch.tensor(slots),
+            query_lens=q_lens,
+            context_lens=ctx_lens,
+            block_tables=torch.tensor([self.tables[s] for s, _ in chunks]),
+            logits_indices=torch.arange(len(ids)),  # every row, to compare them all
+        )
+
+
+@pytest.fixture(scope="session")
+def default_folder() -> Path:
+    return resolve_model("default")
+
+
+# --- resolving and caching ------------------------------------------------------------------
+
+
+def test_resolve_default_is_cached(default_folder: Path) -> None:
+    lines: list[str] = []
+    start = time.perf_counter()
+    again = resolve_model("SmolLM2-135M-Instruct", progress=lines.append)
+    assert again == default_folder
+    assert time.perf_counter() - start < 3.0 and lines == []  # no second conversion
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (default_folder / name).is_file(), name
+    from safetensors import safe_open
+
+    with safe_open(str(default_folder / "model.safetensors"), framework="pt") as f:
+        assert "lm_head.weight" not in f.keys()  # tied to the embedding, dropped
+        embed = f.get_tensor("model.embed_tokens.weight")
+    assert embed.dtype == torch.float32 and tuple(embed.shape) == (49152, 576)  # dequantized
+    config = json.loads((default_folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
+
+
+def test_resolve_rejects_unknown(tmp_path: Path, default_folder: Path) -> None:
+    assert resolve_model(str(default_folder)) == default_folder
+    with pytest.raises(ValueError, match="expected 'default'"):
+        resolve_model("meta-llama/Llama-3-8B")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="safetensors"):
+        resolve_model(str(tmp_path))
+
+
+def test_conversion_is_atomic_and_cached(tmp_path: Path, monkeypatch) -> None:
+    from async_engine.model import gguf_cache
+
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"not really gguf")
+    cache = tmp_path / "cache"
+    calls = []
+
+    def interrupted(src: Path, out: Path) -> None:
+        (out / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    def complete(src: Path, out: Path) -> None:
+        calls.append(src)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(gguf_cache, "convert_gguf", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        resolve_model(str(gguf), cache_dir=cache, progress=None)
+    assert [p.name for p in cache.iterdir()] == [".tiny.lock"]  # no half-written cache
+
+    monkeypatch.setattr(gguf_cache, "convert_gguf", complete)
+    lines: list[str] = []
+    first = resolve_model(str(gguf), cache_dir=cache, progress=lines.append)
+    assert first == cache / "tiny" and (first / "config.json").is_file()
+    assert lines[0].startswith("converting tiny.gguf") and lines[-1] == f"cached at {first}"
+    assert resolve_model(str(gguf), cache_dir=cache, progress=None) == first and len(calls) == 1
+
+
+@pytest.mark.slow
+def test_fresh_gguf_conversion(tmp_path: Path, default_folder: Path) -> None:
+    from async_engine.model.loader import _default_gguf
+
+    folder = resolve_model(str(_default_gguf()), cache_dir=tmp_path, progress=None)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        p.name for p in default_folder.iterdir()
+    )
+
+
+# --- config parsing -------------------------------------------------------------------------
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "max_position_embeddings": 131072,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+}
+
+
+def test_config_llama3() -> None:
+    cfg = ModelConfig.from_dict(LLAMA)
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (32, 32, 8, 128)
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling.rope_type == "llama3"
+    assert (
+        cfg.rope_scaling.factor == 8.0 and cfg.rope_scaling.original_max_position_embeddings == 8192
+    )
+    assert cfg.eos_token_ids == [128001, 128008, 128009] and cfg.bos_token_id == 128000
+    assert not cfg.attention_bias and not cfg.qk_norm and not cfg.tie_word_embeddings
+
+
+def test_config_rope_parameters_layout() -> None:
+    raw = {k: v for k, v in LLAMA.items() if k not in ("rope_theta", "rope_scaling")}
+    raw["rope_parameters"] = {"rope_theta": 100000.0, "rope_type": "default"}
+    raw["eos_token_id"] = 2
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.rope_theta == 100000.0 and cfg.rope_scaling.rope_type == "default"
+    assert cfg.eos_token_ids == [2]
+
+
+def test_config_qwen_and_mistral() -> None:
+    base = {k: v for k, v in LLAMA.items() if k != "rope_scaling"}
+    qwen2 = ModelConfig.from_dict({**base, "architectures": ["Qwen2ForCausalLM"]})
+    assert qwen2.attention_bias and not qwen2.qk_norm
+    qwen3 = ModelConfig.from_dict({**base, "architectures": ["Qwen3ForCausalLM"], "head_dim": 256})
+    assert qwen3.qk_norm and not qwen3.attention_bias and qwen3.head_dim == 256
+    mistral = ModelConfig.from_dict(
+        {**base, "architectures": ["MistralForCausalLM"], "sliding_window": 4096}
+    )
+    assert mistral.architecture == "MistralForCausalLM"
+
+
+def test_config_rejects_unsupported() -> None:
+    with pytest.raises(
+        ValueError, match="unsupported architecture GPT2LMHeadModel; supported: Llama"
+    ):
+        ModelConfig.from_dict({**LLAMA, "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ValueError, match="rope_type 'yarn'"):
+        ModelConfig.from_dict({**LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ],
+)
+def test_rope_inv_freq_matches_hf(rope: dict) -> None:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    hf_cfg = LlamaConfig(
+        hidden_size=4096,
+        num_attention_heads=32,
+        max_position_embeddings=131072,
+        rope_parameters=rope,
+    )
+    if rope["rope_type"] == "default":
+        expected, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(hf_cfg)
+    else:
+        expected, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_cfg)
+    ours = rope_inv_freq(
+        ModelConfig.from_dict({**hf_cfg.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    )
+    torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+
+
+# --- logits parity on tiny random models ----------------------------------------------------
+
+TINY_CASES = {
+    "llama": {"architecture": "LlamaForCausalLM"},
+    "llama-tied-llama3-rope": {
+        "architecture": "LlamaForCausalLM",
+        "tie_word_embeddings": True,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    },
+    "qwen2-bias": {"architecture": "Qwen2ForCausalLM"},
+    "qwen3-qk-norm": {"architecture": "Qwen3ForCausalLM", "head_dim": 32},
+    "mistral": {"architecture": "MistralForCausalLM", "sliding_window": None},
+}
+
+
+@pytest.fixture(scope="module", params=list(TINY_CASES))
+def tiny(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    from transformers import AutoModelForCausalLM
+
+    folder = make_tiny_llama(tmp_path_factory.mktemp(request.param), **TINY_CASES[request.param])
+    return folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("decode_bmm", [False, True], ids=["sdpa", "bmm"])
+def test_tiny_logits_match_hf(tiny, decode_bmm: bool) -> None:
+    folder, hf = tiny
+    model = build_model(str(folder), "float32")
+    model.decode_bmm = decode_bmm  # exercise both decode paths in float32
+    gen = torch.Generator().manual_seed(0)
+    lengths = [11, 19, 28]
+    tokens = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in lengths]
+    with torch.inference_mode():
+        expected = [hf(torch.tensor([t])).logits[0] for t in tokens]
+    seqs = PagedSequences(tokens, BLOCK, max_blocks=8)
+    kv = model.allocate_kv_cache(seqs.num_blocks, BLOCK)
+    steps = [
+        [(0, 5), (1, 9), (2, 3)],  # packed prefill, lengths differ
+        [(2, 14), (0, 1), (1, 6)],  # chunked prefill over a cached prefix, mixed with decode
+        [(1, 1), (0, 1), (2, 1)],  # pure decode, out of order
+        [(0, 1), (2, 1), (1, 1)],
+        [(2, 7), (1, 1), (0, 1)],
+        [(0, 1), (1, 1), (2, 1)],
+    ]
+    for chunks in steps:
+        starts = [seqs.done[s] for s, _ in chunks]
+        with torch.inference_mode():
+            got = model(seqs.batch(chunks), kv)
+        want = torch.cat([expected[s][a : a + n] for (s, n), a in zip(chunks, starts, strict=True)])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_close_to_float32(tiny) -> None:
+    folder, _ = tiny
+    tokens = [torch.arange(3, 40).tolist(), torch.arange(50, 60).tolist()]
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        model = build_model(str(folder), dtype)
+        seqs = PagedSequences(tokens, BLOCK, max_blocks=12)
+        kv = model.allocate_kv_cache(seqs.num_blocks, BLOCK)
+        with torch.inference_mode():
+            model(seqs.batch([(0, 30), (1, 9)]), kv)
+            out[dtype] = model(seqs.batch([(0, 1), (1, 1)]), kv)
+    cos = torch.nn.functional.cosine_similarity(out["float32"], out["bfloat16"], dim=-1)
+    assert out["bfloat16"].dtype == torch.float32 and cos.min() > 0.99
+
+
+def test_forward_rejects_bad_batch(tmp_path: Path) -> None:
+    model = build_model(str(make_tiny_llama(tmp_path, num_layers=1)), "float32")
+    seqs = PagedSequences([[1, 2, 3]], BLOCK, max_blocks=2)
+    batch = seqs.batch([(0, 3)])
+    batch.context_lens = [2]  # fewer than its query tokens
+    with pytest.raises(ValueError, match="query_len 3 with context_len 2"):
+        model(batch, model.allocate_kv_cache(seqs.num_blocks, BLOCK))
+
+
+def test_unsupported_architecture_at_load(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(
+        json.dumps({**LLAMA, "architectures": ["PhiForCausalLM"]})
+    )
+    with pytest.raises(ValueError, match="unsupported architecture PhiForCausalLM"):
+        build_model(str(tmp_path), "float32")
+
+
+def test_tiny_with_tokenizer(tmp_path: Path, default_folder: Path) -> None:
+    from transformers import AutoTokenizer
+
+    folder = make_tiny_llama(tmp_path, tokenizer_from=default_folder, num_layers=1)
+    model = build_model(str(folder), "bfloat16")
+    assert model.cfg.vocab_size == len(AutoTokenizer.from_pretrained(folder)) == 49152
+    assert model.cfg.eos_token_ids == [2]
+
+
+# --- the default model: greedy parity with HF generate() -------------------------------------
+
+
+def greedy(model: LlamaModel, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """One packed prefill, then batched decode steps; block size 16 like the engine."""
+    seqs = PagedSequences([list(p) for p in prompts], 16, max_blocks=8)
+    kv = model.allocate_kv_cache(seqs.num_blocks, 16)
+    chunks = [(i, len(p)) for i, p in enumerate(prompts)]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for _ in range(new_tokens):
+        batch = seqs.batch(chunks)
+        batch.logits_indices = torch.tensor(batch.query_lens).cumsum(0) - 1  # last row each
+        with torch.inference_mode():
+            next_ids = model(batch, kv).argmax(-1).tolist()
+        for i, tok in enumerate(next_ids):
+            outputs[i].append(tok)
+            seqs.tokens[i].append(tok)
+        chunks = [(i, 1) for i in range(len(prompts))]
+    return outputs
+
+
+def test_default_greedy_matches_hf_generate(default_folder: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_folder)
+    questions = [
+        "What is the capital of France?",
+        "Write a short poem about the sea and the rain.",
+        "2+2=",
+    ]
+    texts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        for q in questions
+    ]
+    prompts = [tok(t, add_special_tokens=False).input_ids for t in texts]
+    assert len({len(p) for p in prompts}) == 3  # packed sequences of different lengths
+    model = build_model(str(default_folder), "float32")
+    ours = greedy(model, prompts, 16)
+
+    hf = AutoModelForCausalLM.from_pretrained(default_folder, dtype=torch.float32).eval()
+    for prompt, got in zip(prompts, ours, strict=True):
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False
+            )
+        want = out[0, len(prompt) :].tolist()
+        assert got[: len(want)] == want  # HF stops early at EOS; we keep going
+        assert len(want) == 16 or want[-1] in model.cfg.eos_token_ids
+
+
+# --- import hygiene -------------------------------------------------------------------------
+
+
+def test_import_is_light() -> None:
+    code = "import sys, async_engine.model; print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    for path in MODEL_DIR.glob("*.py"):
+        for node in ast.parse(path.read_text()).body:  # module level only; lazy imports are fine
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                assert name.split(".")[0] not in ("asyncio", "transformers"), f"{path.name}: {name}"

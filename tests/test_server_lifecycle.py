@@ -1,0 +1,118 @@
+"""`async-engine serve` as a process: SIGTERM drains and exits 0; TLS."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from server_helpers import Transcript, check_stream_rules, collect, start_server
+
+from async_engine.client import AsyncClient, Chunk, Unavailable
+from async_engine.server_app import ServerOptions
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+class ServeProcess:
+    def __init__(self, model: Path, *extra: str) -> None:
+        cmd = [
+            sys.executable, "-m", "async_engine.cli", "serve", "--model", str(model),
+            "--dtype", "float32", "--device", "cpu", "--port", "0", "--metrics-port", "-1",
+            "--num-kv-blocks", "128", "--device-threads", "1", *extra,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.put(line)
+
+    def wait_for(self, event: str, timeout: float = 60) -> dict:
+        while True:
+            line = self.lines.get(timeout=timeout)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # library warnings are not ours
+            if record.get("event") == event:
+                return record
+
+
+async def health_status(address: str) -> int:
+    import grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        return reply.status
+
+
+async def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(
+    tiny_model: Path,
+) -> None:
+    serve = ServeProcess(tiny_model, "--drain-timeout", "30")
+    try:
+        ready = await asyncio.to_thread(serve.wait_for, "server.ready")
+        address = f"127.0.0.1:{ready['port']}"
+        assert await health_status(address) == health_pb2.HealthCheckResponse.SERVING
+        async with AsyncClient(address) as client:
+            first = asyncio.Event()
+
+            async def in_flight() -> Transcript:
+                out = Transcript()
+                async for event in client.generate([5] * 4, max_tokens=900, **GREEDY):
+                    out.add(event)
+                    if isinstance(event, Chunk):
+                        first.set()
+                return out
+
+            task = asyncio.create_task(in_flight())
+            await asyncio.wait_for(first.wait(), 30)
+            serve.proc.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(serve.wait_for, "server.draining")
+            assert await health_status(address) == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(Unavailable) as info:
+                await collect(client, [1, 2, 3], max_tokens=2)
+            assert info.value.reason == "DRAINING"
+            t = await asyncio.wait_for(task, 60)
+        check_stream_rules(t)
+        assert t.finished[0].reason == "length" and len(t.tokens[0]) == 900
+        assert await asyncio.to_thread(serve.proc.wait, 30) == 0
+    finally:
+        if serve.proc.poll() is None:
+            serve.proc.kill()
+            serve.proc.wait()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+async def test_tls_server_serves_clients_that_trust_its_certificate(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+         "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True, capture_output=True, env={**os.environ, "RANDFILE": str(tmp_path / "rnd")},
+    )  # fmt: skip
+    options = ServerOptions(port=0, metrics_port=None, tls_cert=str(cert), tls_key=str(key))
+    server = await asyncio.to_thread(start_server, tiny_model, options, num_kv_blocks=64)
+    try:
+        async with AsyncClient(
+            f"localhost:{server.port}", root_certificates=cert.read_bytes()
+        ) as c:
+            t = await collect(c, [1, 2, 3], max_tokens=3, **GREEDY)
+        check_stream_rules(t)
+    finally:
+        await asyncio.to_thread(server.close)
