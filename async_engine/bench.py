@@ -155,3 +155,6 @@ def add_parser(sub: Any, engine_args: Any) -> None:
     offline.add_argument("--skip-hf", action="store_true")
     offline.add_argument("--json", default=None, help="write the figures to this file")
     offline.set_defaults(func=cmd_offline)
+    from async_engine import bench_serve
+
+    bench_serve.add_parser(kinds, engine_args)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from async_engine.engine import AsyncEngine
+from async_engine.engine import AsyncEngine, EngineClosedError
 from async_engine.inputs import DuplicateRequestError, QueueFullError
 from async_engine.metrics import ServerMetrics
 from async_engine.output import RequestDelta
@@ -76,6 +76,9 @@ class GenerationService(pb_grpc.GenerationServicer):
                 yield msg
         except RpcFailure as exc:
             failure = exc
+        except Exception as exc:  # a bug of ours: report it as INTERNAL, not UNKNOWN
+            bound.exception("request.crashed")
+            failure = internal(f"server error: {exc!r}", call.request_id)
         finally:
             self._end(call, bound)
         if failure is not None:
@@ -102,6 +105,10 @@ class GenerationService(pb_grpc.GenerationServicer):
         return call
 
     def _add(self, sub: Submission, child_id: str, index: int) -> Request:
+        # An ended request stays in the scheduler until its last launched step completes;
+        # reusing its id before then must be ALREADY_EXISTS (the engine would leak its stream).
+        if child_id in self.engine.scheduler.requests:
+            raise already_exists(child_id)
         try:
             return self.engine.add_request(
                 sub.prompt, sub.params_for(index), child_id, **sub.options()
@@ -112,6 +119,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             raise resource_exhausted(str(exc), "QUEUE_FULL") from None
         except ValueError as exc:
             raise invalid_argument(str(exc), prompt_field=sub.prompt_field) from None
+        except EngineClosedError as exc:  # the device died: let routers go elsewhere
+            raise unavailable(str(exc), "ENGINE_STOPPED") from None
 
     async def _responses(self, call: _Call) -> AsyncIterator[pb.GenerateResponse]:
         seq = 0

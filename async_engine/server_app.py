@@ -120,11 +120,18 @@ class GenerationServer:
             pass
 
     async def _refresh_metrics(self) -> None:
+        """Gauges from the engine; also turns health NOT_SERVING if the device died."""
+        reported_dead = False
         while True:
             try:
                 self.metrics.refresh(self.engine)
             except Exception:  # a metrics bug must never take the server down
                 log.exception("metrics.refresh_failed")
+            if self.engine.fatal_error is not None and not reported_dead:
+                reported_dead = True
+                log.error("engine.stopped", error=repr(self.engine.fatal_error))
+                for name in ("", SERVICE_NAME):
+                    await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
             await asyncio.sleep(self.options.metrics_interval_s)
 
     async def drain(self, timeout_s: float | None = None) -> bool:

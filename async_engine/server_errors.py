@@ -109,11 +109,11 @@ def resource_exhausted(message: str, reason: str, retry_after_s: float = 1.0) ->
     )
 
 
-def unavailable(message: str) -> RpcFailure:
+def unavailable(message: str, reason: str = "DRAINING") -> RpcFailure:
     return RpcFailure(
         grpc.StatusCode.UNAVAILABLE,
         message,
-        [error_details_pb2.ErrorInfo(reason="DRAINING", domain=DOMAIN)],
+        [error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN)],
     )
 
 

@@ -31,7 +31,7 @@ def add_parser(sub: Any, engine_args: Any) -> None:
     profile.add_argument("--out", default="profile-out", help="folder for the exports")
     profile.add_argument("--compare", action="store_true", help="run overlap on and off")
     profile.add_argument("--overhead", action="store_true", help="tokens/s, tracer on vs off")
-    profile.add_argument("--rounds", type=int, default=3, help="--overhead: rounds per mode")
+    profile.add_argument("--rounds", type=int, default=5, help="--overhead: rounds per mode")
     profile.add_argument("--nsys", action="store_true", help="run under `nsys profile`")
     # Set by --nsys on the command it runs inside nsys: bracket the steps with cudaProfilerApi.
     profile.add_argument("--nsys-child", action="store_true", help=argparse.SUPPRESS)
@@ -54,6 +54,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     try:
         workload = _workload(args)
+        if args.rounds < 1:
+            raise ValueError(f"rounds must be positive, got {args.rounds}")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -53,13 +53,13 @@ def format_report(report: Report, title: str = "", extra: dict[str, str] | None 
     for label, decode_only in (("all", False), ("steady decode", True)):
         n, p50, p95, top = report.gap_stats(decode_only)
         lines.append(f"  {label:<15}{n:>6}  {ms(p50):>8}  {ms(p95):>8}  {ms(top):>8}")
-    lines += ["", "who the device waited on (gap time covered by each phase)"]
+    lines += ["", "who the device waited on (idle-gap time by cause)"]
     blame_s, counts = report.blame_seconds(), report.blame_counts()
     total = sum(blame_s.values())
-    lines.append(f"  {'phase':<10}{'gap ms':>10}{'share':>9}{'gaps blamed':>13}")
+    lines.append(f"  {'cause':<13}{'gap ms':>10}{'share':>9}{'gaps blamed':>13}")
     for name, seconds in blame_s.items():
         share = seconds / total if total else float("nan")
-        lines.append(f"  {name:<10}{ms(seconds):>10}{pct(share):>9}{counts.get(name, 0):>13}")
+        lines.append(f"  {name:<13}{ms(seconds):>10}{pct(share):>9}{counts.get(name, 0):>13}")
     if not blame_s:
         lines.append("  (no idle gaps)")
     lines += [LEGEND, "", "control plane per step"]

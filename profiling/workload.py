@@ -105,8 +105,10 @@ class Overhead:
 
     @property
     def throughput_ratio(self) -> float:
-        """Median tokens/s with the tracer over without (1.0 = free); noisy on a busy machine."""
-        return statistics.median(self.tokens_per_s_on) / statistics.median(self.tokens_per_s_off)
+        """Median over rounds of tokens/s with the tracer / without (1.0 = free). Each round
+        runs both back to back, so slow drift on a shared machine cancels; bursts do not."""
+        pairs = zip(self.tokens_per_s_on, self.tokens_per_s_off, strict=True)
+        return statistics.median(on / off for on, off in pairs)
 
     @property
     def estimated_cost(self) -> float:
@@ -114,8 +116,10 @@ class Overhead:
         return self.callback_us_per_step * 1e-6 / self.mean_step_s if self.mean_step_s else 0.0
 
 
-def measure_overhead(options: dict[str, Any], workload: Workload, rounds: int = 3) -> Overhead:
+def measure_overhead(options: dict[str, Any], workload: Workload, rounds: int = 5) -> Overhead:
     """Tokens/s with the tracer off and on, interleaved in one engine so drift cancels."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be positive, got {rounds}")
     from async_engine.llm import LLM
 
     off: list[float] = []
@@ -125,8 +129,9 @@ def measure_overhead(options: dict[str, Any], workload: Workload, rounds: int = 
         _check_fits(llm, workload)
         prompts = workload.prompts(llm.engine.model_config.vocab_size)
         _warm_up(llm, prompts)
-        for _ in range(rounds):
-            for traced in (False, True):
+        for round_ in range(rounds):
+            # Alternate which mode goes first, so neither always gets the warmer machine.
+            for traced in (False, True) if round_ % 2 == 0 else (True, False):
                 tracer = StepTracer.attach(llm.engine) if traced else None
                 start = time.perf_counter()
                 outs = llm.generate(prompts, workload.params())

@@ -359,7 +359,16 @@ def greedy(model: LlamaModel, prompts: list[list[int]], new_tokens: int) -> list
     return outputs
 
 
-def test_default_greedy_matches_hf_generate(default_folder: Path) -> None:
+@pytest.fixture
+def one_thread():
+    # Two OpenMP threads on a shared 2-core machine spin against other work: 1 is steadier.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_default_greedy_matches_hf_generate(default_folder: Path, one_thread) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(default_folder)

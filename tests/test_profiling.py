@@ -278,6 +278,14 @@ def test_profile_compare_runs_both_modes_side_by_side(tiny_model, tmp_path, caps
     assert (tmp_path / "compare.png").exists()
 
 
+def test_profile_overhead_prints_the_tracer_cost(tiny_model, tmp_path, capsys):
+    from async_engine.cli import main
+
+    assert main(profile_args(tiny_model, tmp_path, "--overhead", "--rounds", "1")) == 0
+    out = capsys.readouterr().out
+    assert "throughput ratio on/off" in out and "estimated cost" in out
+
+
 def test_profile_nsys_says_clearly_when_nsys_is_missing(tmp_path, monkeypatch, capsys):
     from async_engine.cli import main
 

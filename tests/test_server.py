@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import urllib.request
 from pathlib import Path
@@ -237,6 +238,23 @@ async def test_duplicate_in_flight_request_id_is_already_exists(client: AsyncCli
         await collect(client, [1, 2], request_id="dup", max_tokens=2)
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_the_id_of_an_ended_request_can_be_used_again(client: AsyncClient) -> None:
+    for _ in range(3):
+        async with contextlib.aclosing(
+            client.generate([9] * 4, request_id="again", max_tokens=500, **GREEDY)
+        ) as stream:
+            async for event in stream:
+                if isinstance(event, Chunk):
+                    break  # closing the stream cancels the RPC mid-flight
+        for _attempt in range(200):  # the id frees once the aborted request's last step ends
+            try:
+                t = await collect(client, [1, 2], request_id="again", max_tokens=2, **GREEDY)
+                break
+            except AlreadyExists:
+                await asyncio.sleep(0.01)
+        check_stream_rules(t)
 
 
 # ------------------------------------------------------ info, health, reflection
