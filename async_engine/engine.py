@@ -135,6 +135,9 @@ class AsyncEngine:
     ) -> Request:
         """Validate and queue a request (call from the event loop's thread)."""
         self._ensure_started()
+        if request_id and (request_id in self._streams or request_id in self.scheduler.requests):
+            # An ended request keeps its id until its last launched step has completed.
+            raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
         req = self.inputs.build(prompt, params, request_id=request_id, **options)
         for name, value in (("max_queue_ms", max_queue_ms), ("time_limit_ms", time_limit_ms)):
             if value is not None and (
@@ -145,8 +148,6 @@ class AsyncEngine:
             req.queue_deadline = req.arrival_time + max_queue_ms / 1000
         if time_limit_ms is not None:
             req.time_deadline = req.arrival_time + time_limit_ms / 1000
-        if req.request_id in self._streams:
-            raise DuplicateRequestError(f"request_id {req.request_id!r} is already in flight")
         if self.scheduler.num_waiting >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         self._streams[req.request_id] = RequestStream()

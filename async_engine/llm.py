@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,7 +24,22 @@ Prompt = str | list[int]
 
 
 @dataclass(slots=True)
+class CompletionOutput:
+    """One of the n samples of a request."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stop_reason: int | str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass(slots=True)
 class RequestOutput:
+    """A request's result; the top-level fields are sample 0's, ``outputs`` holds all n."""
+
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -34,6 +50,7 @@ class RequestOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
 
 class _LoopThread:
@@ -161,25 +178,61 @@ class LLM:
     ) -> list[Any]:
         engine = self.engine
         # Validate every prompt before queueing any, so a bad one fails the call cleanly.
-        requests: list[Request | ValueError] = []
+        groups: list[list[Request] | ValueError] = []
         try:
             for item, params in zip(items, params_list, strict=True):
                 try:
-                    requests.append(engine.add_request(params=params, **item, **options))
+                    groups.append(self._add_samples(item, params, options))
                 except ValueError as exc:
                     if not return_errors:
                         raise
-                    requests.append(exc)
+                    groups.append(exc)
         except BaseException:
-            for req in requests:
-                if isinstance(req, Request):
+            for group in groups:
+                for req in group if isinstance(group, list) else []:
                     engine.release(req)
             raise
-        return list(await asyncio.gather(*(self._drain(r) for r in requests)))
+        return list(await asyncio.gather(*(self._gather(g) for g in groups)))
 
-    async def _drain(self, req: Request | ValueError) -> RequestOutput | ValueError:
-        if isinstance(req, ValueError):
-            return req
+    def _add_samples(
+        self, item: dict[str, Any], params: SamplingParams | None, options: dict[str, Any]
+    ) -> list[Request]:
+        """One request per sample: n > 1 fans out into children "<id>#<i>" (seed + i)."""
+        n = 1 if params is None else params.n
+        if n == 1:
+            return [self.engine.add_request(params=params, **item, **options)]
+        base = options.get("request_id") or uuid.uuid4().hex
+        rest = {k: v for k, v in options.items() if k != "request_id"}
+        children: list[Request] = []
+        try:
+            for i in range(n):
+                children.append(
+                    self.engine.add_request(
+                        params=params.for_sample(i), request_id=f"{base}#{i}", **item, **rest
+                    )
+                )
+        except BaseException:
+            for req in children:
+                self.engine.release(req)
+            raise
+        return children
+
+    async def _gather(self, group: list[Request] | ValueError) -> RequestOutput | ValueError:
+        if isinstance(group, ValueError):
+            return group
+        samples = await asyncio.gather(*(self._drain(req) for req in group))
+        first = samples[0]
+        if len(group) > 1:
+            first.request_id = first.request_id.rpartition("#")[0]
+        first.outputs = [
+            CompletionOutput(
+                i, s.token_ids, s.text, s.finish_reason, s.stop_reason, s.logprobs, s.top_logprobs
+            )  # fmt: skip
+            for i, s in enumerate(samples)
+        ]
+        return first
+
+    async def _drain(self, req: Request) -> RequestOutput:
         engine = self.engine
         text: list[str] = []
         out = RequestOutput(req.request_id, req.prompt_ids, [], "", "abort")

@@ -39,6 +39,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def for_sample(self, index: int) -> SamplingParams:
+        """Params of sample ``index`` of ``n``: one sequence, seed + index (distinct outputs)."""
+        seed = None if self.seed is None else (self.seed + index) % (_MAX_SEED + 1)
+        return dataclasses.replace(self, n=1, seed=seed)
+
     def to_dict(self) -> dict[str, Any]:
         # Lists, not tuples, so that the dict round-trips through JSON unchanged.
         out: dict[str, Any] = {}

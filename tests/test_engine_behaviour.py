@@ -217,3 +217,49 @@ def test_overlap_on_and_off_give_identical_seeded_outputs(tiny_model):
         with LLM(str(tiny_model), dtype="float32", device="cpu", overlap=overlap) as llm:
             results.append([o.token_ids for o in llm.generate(prompts, params)])
     assert results[0] == results[1]
+
+
+def test_n_samples_come_back_together_each_with_its_own_seed(llm):
+    params = SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=8, ignore_eos=True)
+    out = llm.generate([prompt(12)], params)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert out.token_ids == out.outputs[0].token_ids
+    assert len({tuple(o.token_ids) for o in out.outputs}) == 3
+    # Sample i is what a single request with seed 7 + i gives.
+    single = llm.generate([prompt(12)], SamplingParams(temperature=1.0, seed=8, max_tokens=8,
+                                                      ignore_eos=True))[0]  # fmt: skip
+    assert out.outputs[1].token_ids == single.token_ids
+
+
+def test_a_prompt_longer_than_the_token_budget_is_chunked_with_the_same_output(tiny_model):
+    prompts = [prompt(90), prompt(7, 400)]
+    results = []
+    for budget in (16, 512):
+        with LLM(str(tiny_model), dtype="float32", device="cpu",
+                 max_num_batched_tokens=budget) as llm:  # fmt: skip
+            results.append([o.token_ids for o in llm.generate(prompts, GREEDY)])
+    assert results[0] == results[1]
+
+
+async def test_an_id_is_reusable_once_its_aborted_request_has_left(tiny_model):
+    from async_engine.inputs import DuplicateRequestError
+
+    engine = AsyncEngine(model=str(tiny_model), dtype="float32", device="cpu")
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+        req = engine.add_request(prompt(10), params, "same")
+        async for delta in engine.stream(req):
+            if not delta.finished:
+                await engine.abort("same")
+        engine.release(req)
+        if "same" in engine.scheduler.requests:  # its last launched step is still running
+            with pytest.raises(DuplicateRequestError):
+                engine.add_request(prompt(10), params, "same")
+        while "same" in engine.scheduler.requests:
+            await asyncio.sleep(0.002)
+        again = engine.add_request(prompt(10), params, "same")
+        tokens = [t async for d in engine.stream(again) for t in d.token_ids]
+        engine.release(again)
+        assert len(tokens) == 50
+    finally:
+        await engine.aclose()
