@@ -119,7 +119,7 @@ def _print_overhead(options: dict, workload: Any, rounds: int) -> int:
     on = ", ".join(f"{v:.1f}" for v in result.tokens_per_s_on)
     print(f"tokens/s tracer off: {off}\ntokens/s tracer on:  {on}")
     print(
-        f"throughput ratio on/off (medians): {result.throughput_ratio:.4f} "
+        f"throughput ratio on/off (median of rounds): {result.throughput_ratio:.4f} "
         f"(cost {100 * (1 - result.throughput_ratio):+.2f} %, includes machine noise)"
     )
     print(f"tracer callbacks: {result.callback_us_per_step:.1f} us per step, "
