@@ -77,7 +77,7 @@ def run_engine(options: dict[str, Any], prompts: list[list[int]], max_tokens: in
             "wasted_tokens": engine.scheduler.wasted_tokens,
         }
         if roofline:
-            seconds = engine.device.replay(plans)
+            seconds = llm._runner.run(engine.replay(plans))
             result["roofline_seconds"] = seconds
             result["roofline_tokens_per_s"] = tokens / seconds
     return result
@@ -100,7 +100,34 @@ def run_hf(folder: str, dtype: str, prompts: list[list[int]], max_tokens: int) -
     return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall}
 
 
+def _mean(runs: list[dict[str, float]], key: str) -> float:
+    return sum(r[key] for r in runs) / len(runs)
+
+
+def compare_modes(
+    options: dict[str, Any], prompts: list[list[int]], max_tokens: int, rounds: int
+) -> dict[str, Any]:
+    """Overlap on and off, interleaved round by round so that drift hits both alike."""
+    on: list[dict[str, float]] = []
+    off: list[dict[str, float]] = []
+    for i in range(rounds):
+        on.append(run_engine(options, prompts, max_tokens, overlap=True, roofline=i == 0))
+        off.append(run_engine(options, prompts, max_tokens, overlap=False, roofline=False))
+    return {
+        "on_tokens_per_s": _mean(on, "tokens_per_s"),
+        "off_tokens_per_s": _mean(off, "tokens_per_s"),
+        "roofline_tokens_per_s": on[0]["roofline_tokens_per_s"],
+        "on_steady_decode_idle": _mean(on, "steady_decode_idle"),
+        "off_steady_decode_idle": _mean(off, "steady_decode_idle"),
+        "on_wasted_tokens": on[0]["wasted_tokens"],
+        "runs_on": on,
+        "runs_off": off,
+    }
+
+
 def cmd_offline(args: argparse.Namespace) -> int:
+    import os
+
     from async_engine.cli import engine_options
     from async_engine.config import EngineConfig
     from async_engine.model import load_model_config, resolve_model
@@ -115,31 +142,47 @@ def cmd_offline(args: argparse.Namespace) -> int:
     work = Workload(args.requests, args.min_prompt, args.max_prompt, args.max_tokens, args.seed)
     prompts = work.prompts(vocab)
     print(f"workload: {work.num_requests} requests, prompts {work.min_prompt}..{work.max_prompt} "
-          f"tokens, {work.max_tokens} new tokens each, greedy, ignore_eos; dtype {dtype}")  # fmt: skip
-    on = run_engine(options, prompts, work.max_tokens, overlap=True, roofline=True)
-    off = run_engine(options, prompts, work.max_tokens, overlap=False, roofline=False)
+          f"tokens, {work.max_tokens} new tokens each, greedy, ignore_eos; dtype {dtype}; "
+          f"{args.rounds} interleaved rounds per mode")  # fmt: skip
+    cores = os.cpu_count() or 1
+    thread_counts = [config.resolved_device_threads()]
+    if args.device_threads is None and cores not in thread_counts:
+        thread_counts.append(cores)  # also show the device with every core
+    results: dict[str, Any] = {}
+    for threads in thread_counts:
+        results[f"device_threads={threads}"] = compare_modes(
+            {**options, "device_threads": threads}, prompts, work.max_tokens, args.rounds
+        )
     hf = None if args.skip_hf else run_hf(str(folder), dtype, prompts, work.max_tokens)
-    rows = [
-        ("engine, overlap on", on["tokens_per_s"]),
-        ("engine, overlap off", off["tokens_per_s"]),
-        ("forward-only roofline", on["roofline_tokens_per_s"]),
-    ]
-    if hf is not None:
-        rows.append(("HF generate_batch", hf["tokens_per_s"]))
-    print(f"{'run':<24}{'tokens/s':>10}")
-    for name, tps in rows:
-        print(f"{name:<24}{tps:>10.1f}")
-    print(f"overlap on / off:          {on['tokens_per_s'] / off['tokens_per_s']:.2f}x")
-    print(f"overlap on / roofline:     {on['tokens_per_s'] / on['roofline_tokens_per_s']:.1%}")
-    if hf is not None:
-        print(f"overlap on / HF:           {on['tokens_per_s'] / hf['tokens_per_s']:.2f}x")
-    print(f"steady-decode idle, on:    {on['steady_decode_idle']:.1%}")
-    print(f"steady-decode idle, off:   {off['steady_decode_idle']:.1%}")
-    print(f"wasted tokens, on:         {on['wasted_tokens']}")
+    print_table(results, hf)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"overlap_on": on, "overlap_off": off, "hf": hf}, f, indent=2)
+            json.dump({"engine": results, "hf": hf}, f, indent=2)
     return 0
+
+
+def print_table(results: dict[str, Any], hf: dict[str, float] | None) -> None:
+    cols = list(results)
+    width = max(24, *(len(c) + 2 for c in cols))
+    print(f"{'':<28}" + "".join(f"{c:>{width}}" for c in cols))
+
+    def row(name: str, fmt: str, values: list[float]) -> None:
+        print(f"{name:<28}" + "".join(f"{format(v, fmt):>{width}}" for v in values))
+
+    get = [results[c] for c in cols]
+    row("tokens/s, overlap on", ".1f", [r["on_tokens_per_s"] for r in get])
+    row("tokens/s, overlap off", ".1f", [r["off_tokens_per_s"] for r in get])
+    row("tokens/s, roofline", ".1f", [r["roofline_tokens_per_s"] for r in get])
+    row("overlap on / off", ".2f", [r["on_tokens_per_s"] / r["off_tokens_per_s"] for r in get])
+    row("overlap on / roofline", ".1%",
+        [r["on_tokens_per_s"] / r["roofline_tokens_per_s"] for r in get])  # fmt: skip
+    if hf is not None:
+        row("overlap on / HF", ".2f", [r["on_tokens_per_s"] / hf["tokens_per_s"] for r in get])
+    row("steady-decode idle, on", ".2%", [r["on_steady_decode_idle"] for r in get])
+    row("steady-decode idle, off", ".2%", [r["off_steady_decode_idle"] for r in get])
+    row("wasted tokens, on", "d", [r["on_wasted_tokens"] for r in get])
+    if hf is not None:
+        print(f"HF transformers generate_batch: {hf['tokens_per_s']:.1f} tokens/s")
 
 
 def add_parser(sub: Any, engine_args: Any) -> None:
@@ -152,6 +195,7 @@ def add_parser(sub: Any, engine_args: Any) -> None:
     offline.add_argument("--max-prompt", type=int, default=300)
     offline.add_argument("--max-tokens", type=int, default=64)
     offline.add_argument("--seed", type=int, default=0)
+    offline.add_argument("--rounds", type=int, default=2, help="interleaved runs per mode")
     offline.add_argument("--skip-hf", action="store_true")
     offline.add_argument("--json", default=None, help="write the figures to this file")
     offline.set_defaults(func=cmd_offline)

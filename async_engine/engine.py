@@ -25,11 +25,11 @@ from async_engine.observer import StepObserver
 from async_engine.output import OutputProcessor, RequestDelta, RequestStream
 from async_engine.request import FinishReason, Request
 from async_engine.scheduler import Scheduler, SchedulerConfig
-from async_engine.stats import DeviceTimeline, EngineStats
+from async_engine.stats import DeviceTimeline, EngineStats, PhaseClock
 from async_engine.tokenizer import Tokenizer
 from blockalloc import BlockPool
 from sampler.params import SamplingParams
-from streams.device import DeviceSpec, create_device
+from streams.device import REPLAY_STEP, DeviceError, DeviceSpec, create_device
 from streams.plan import StepPlan, StepResult
 
 StepFuture = asyncio.Future  # resolves to StepResult
@@ -41,6 +41,8 @@ class EngineClosedError(RuntimeError):
 
 
 class AsyncEngine:
+    WATCHDOG_S = 2.0  # how often a step that has not finished checks the device is alive
+
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
         self.config = config = config or EngineConfig(**overrides)
         self.model_path = folder = resolve_model(config.model)
@@ -69,6 +71,7 @@ class AsyncEngine:
         )  # fmt: skip
         self.device = create_device(self.device_kind, spec)
         self.timeline = DeviceTimeline()
+        self.phase_clock = PhaseClock()
         self._streams: dict[str, RequestStream] = {}
         self._processors: dict[str, OutputProcessor] = {}
         self._futures: dict[int, StepFuture] = {}
@@ -172,6 +175,16 @@ class AsyncEngine:
         self._emit(req)
         return True
 
+    async def replay(self, plans: list[StepPlan]) -> float:
+        """Run recorded plans back to back on the device (the roofline); seconds taken."""
+        self._ensure_started()
+        assert self._loop is not None
+        future = self._loop.create_future()
+        self._futures[REPLAY_STEP] = future
+        self.device.launch_replay(plans)
+        result: StepResult = await future
+        return result.device_end - result.device_start
+
     def stats(self) -> EngineStats:
         return EngineStats.collect(self)
 
@@ -249,8 +262,8 @@ class AsyncEngine:
         if self._timed:
             self._expire(start)
         plan = self.scheduler.schedule()
-        if self.observer is not None and plan is not None:
-            self.observer.on_phase("schedule", plan.step_id, start, time.monotonic())
+        if plan is not None:
+            self._phase("schedule", plan.step_id, start, time.monotonic())
         return plan
 
     def _expire(self, now: float) -> None:
@@ -271,9 +284,16 @@ class AsyncEngine:
 
     async def _wait(self, plan: StepPlan, future: StepFuture) -> StepResult:
         start = time.monotonic()
-        result = await future
-        if self.observer is not None:
-            self.observer.on_phase("wait", plan.step_id, start, time.monotonic())
+        while True:
+            done, _ = await asyncio.wait((future,), timeout=self.WATCHDOG_S)
+            if done:
+                break
+            # No word from the device for a while: is it alive, and did we miss a wake-up?
+            if not self.device.alive():
+                raise DeviceError("the device stopped while running a step")
+            self._on_device_ready()
+        result = future.result()
+        self._phase("wait", plan.step_id, start, time.monotonic())
         return result
 
     async def _wait_for_work(self) -> None:
@@ -295,8 +315,7 @@ class AsyncEngine:
         self.timeline.on_launch(plan.step_id, start)
         self._launched[plan.step_id] = plan
         self.device.launch(plan)
-        if self.observer is not None:
-            self.observer.on_phase("launch", plan.step_id, start, time.monotonic())
+        self._phase("launch", plan.step_id, start, time.monotonic())
         return plan, future
 
     def _on_device_ready(self) -> None:
@@ -311,6 +330,9 @@ class AsyncEngine:
             self._loop.remove_reader(self.device.completion_fd())
             return
         for result in results:
+            if result.step_id == REPLAY_STEP:
+                self._futures.pop(REPLAY_STEP).set_result(result)
+                continue
             self.timeline.on_result(result)
             plan = self._launched.pop(result.step_id, None)
             if self.observer is not None and plan is not None:
@@ -332,9 +354,13 @@ class AsyncEngine:
         applied = time.monotonic()
         for req in touched:
             self._emit(req)
+        self._phase("apply", plan.step_id, start, applied)
+        self._phase("stream", plan.step_id, applied, time.monotonic())
+
+    def _phase(self, name: str, step_id: int, start: float, end: float) -> None:
+        self.phase_clock.add(name, end - start)
         if self.observer is not None:
-            self.observer.on_phase("apply", plan.step_id, start, applied)
-            self.observer.on_phase("stream", plan.step_id, applied, time.monotonic())
+            self.observer.on_phase(name, step_id, start, end)
 
     def _emit(self, req: Request) -> None:
         processor = self._processors.get(req.request_id)

@@ -66,6 +66,9 @@ class ServerMetrics:
         self.idle = Gauge("async_engine:device_idle_fraction",
                           "Share of recent device time spent waiting on the control plane", m,
                           registry=reg)  # fmt: skip
+        self.phase_seconds = Counter("async_engine:step_phase_seconds",
+                                     "Control-plane time per step phase (wait = on the device)",
+                                     m + ["phase"], registry=reg)  # fmt: skip
         self.cancel_lag = Histogram("async_engine:cancellation_lag_seconds",
                                     "From abort to the request's KV blocks back in the pool", m,
                                     buckets=LAG_BUCKETS, registry=reg)  # fmt: skip
@@ -86,6 +89,7 @@ class ServerMetrics:
             metric.labels(model_name)
         self._tenants: set[str] = set()
         self._last_counts: dict[str, int] = {}
+        self._last_phase: dict[str, float] = {}
         self._awaiting_release: list[Request] = []
 
     # ------------------------------------------------------------ per request
@@ -150,6 +154,11 @@ class ServerMetrics:
             if grown > 0:
                 counter.labels(name).inc(grown)
             self._last_counts[key] = value
+        for phase, seconds in stats.phase_seconds.items():
+            grown = seconds - self._last_phase.get(phase, 0.0)
+            if grown > 0:
+                self.phase_seconds.labels(name, phase).inc(grown)
+            self._last_phase[phase] = seconds
         self._observe_released()
 
 

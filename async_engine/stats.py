@@ -61,6 +61,25 @@ class DeviceTimeline:
         return self.idle_s / total if total > 0 else 0.0
 
 
+class PhaseClock:
+    """Control-plane time per phase (schedule, launch, wait, apply, stream), lifetime totals.
+
+    Plain float additions on the hot path; "wait" is time blocked on the device, the rest is
+    the CPU work the overlap loop tries to hide behind the device.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self.counts[name] = self.counts.get(name, 0) + 1
+
+    def mean_ms(self) -> dict[str, float]:
+        return {k: 1000 * v / self.counts[k] for k, v in self.seconds.items()}
+
+
 @dataclass(slots=True)
 class EngineStats:
     running: int
@@ -75,6 +94,8 @@ class EngineStats:
     wasted_tokens: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    phase_seconds: dict[str, float]  # control-plane time per phase, lifetime totals
+    phase_mean_ms: dict[str, float]  # per occurrence (about once per step)
 
     @classmethod
     def collect(cls, engine: AsyncEngine) -> EngineStats:
@@ -92,6 +113,8 @@ class EngineStats:
             wasted_tokens=sched.wasted_tokens,
             prefix_cache_queries=pool.prefix_queries,
             prefix_cache_hits=pool.prefix_hits,
+            phase_seconds=dict(engine.phase_clock.seconds),
+            phase_mean_ms=engine.phase_clock.mean_ms(),
         )
 
     def as_dict(self) -> dict[str, Any]:

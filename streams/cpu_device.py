@@ -3,8 +3,10 @@
 A forward pass on a thread of the control plane's process stalls whenever the control
 plane runs Python (every eager op needs the GIL), so the CPU "device" is a separate
 process. Plans arrive over one pipe and results leave over another; the control plane's
-event loop watches the result pipe. A receiver thread in the device drains the plan pipe
-so that ``launch`` never blocks on a busy device.
+event loop watches the result pipe. The plan pipe is enlarged so that ``launch`` never
+blocks on a busy device, and the device reads it on its own main thread between steps: a
+receiver thread would need the GIL and a free core to hand a plan over, and on a 2-core
+machine with busy torch threads that handoff cost about a millisecond per step.
 
 The process is a fresh interpreter (``python -m streams.cpu_device``), not a
 multiprocessing child: the caller's ``__main__`` is never re-imported, so scripts need no
@@ -14,21 +16,24 @@ multiprocessing child: the caller's ``__main__`` is never re-imported, so script
 from __future__ import annotations
 
 import os
-import queue
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from streams.device import Device, DeviceSpec
+from streams.device import REPLAY_STEP, Device, DeviceError, DeviceSpec
 from streams.plan import StepPlan, StepResult
 
-
-class DeviceError(RuntimeError):
-    pass
+# glibc hands each multi-megabyte temporary (gathered K/V, activations) its own mmap and
+# returns it on free, so every step page-faults hundreds of MB afresh: measured 3x slower
+# decode steps. Keep such blocks in the heap instead (the caller's environment wins).
+MALLOC_TUNING = {
+    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),  # glibc's maximum on 64-bit
+    "MALLOC_TRIM_THRESHOLD_": str(4 << 30),
+    "MALLOC_TOP_PAD_": str(256 << 20),
+}
 
 
 class ProcessDevice(Device):
@@ -36,7 +41,7 @@ class ProcessDevice(Device):
         plan_r, plan_w = os.pipe()
         result_r, result_w = os.pipe()
         root = str(Path(__file__).resolve().parent.parent)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        env = {**MALLOC_TUNING, **os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (root, os.environ.get("PYTHONPATH")) if p)}  # fmt: skip
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "streams.cpu_device", str(plan_r), str(result_w)],
@@ -44,6 +49,7 @@ class ProcessDevice(Device):
         )  # fmt: skip
         os.close(plan_r)
         os.close(result_w)
+        _enlarge_pipe(plan_w)
         self._plan_send = Connection(plan_w, readable=False)
         self._result_recv = Connection(result_r, writable=False)
         self._plan_send.send(spec)
@@ -72,14 +78,11 @@ class ProcessDevice(Device):
             results.append(payload)
         return results
 
-    def replay(self, plans: list[StepPlan]) -> float:
+    def alive(self) -> bool:
+        return not self._closed and self._proc.poll() is None
+
+    def launch_replay(self, plans: list[StepPlan]) -> None:
         self._send(("replay", plans))
-        while True:
-            kind, payload = self._recv()
-            if kind == "replayed":
-                return payload
-            if kind == "error":
-                raise DeviceError(payload)
 
     def close(self) -> None:
         if self._closed:
@@ -115,6 +118,16 @@ class ProcessDevice(Device):
             raise DeviceError(f"device process is gone (exit code {self._proc.poll()})") from exc
 
 
+def _enlarge_pipe(fd: int, size: int = 1 << 20) -> None:
+    """Room for many queued plans; Linux caps it at /proc/sys/fs/pipe-max-size."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), size)
+    except OSError:
+        pass  # a smaller pipe only means launch() may wait for the device to catch up
+
+
 def _device_main(plan_recv: Connection, result_send: Connection) -> None:
     import torch
 
@@ -130,31 +143,22 @@ def _device_main(plan_recv: Connection, result_send: Connection) -> None:
         return
     result_send.send(("ready", {"vocab_size": model.cfg.vocab_size, "threads": spec.threads}))
 
-    inbox: queue.SimpleQueue = queue.SimpleQueue()
-
-    def receive() -> None:
-        try:
-            while True:
-                message = plan_recv.recv()
-                inbox.put(message)
-                if message[0] == "shutdown":
-                    return
-        except (EOFError, OSError):  # the control plane went away: shut down
-            inbox.put(("shutdown", None))
-
-    threading.Thread(target=receive, daemon=True, name="plan-receiver").start()
     while True:
-        kind, payload = inbox.get()
+        try:
+            kind, payload = plan_recv.recv()
+        except (EOFError, OSError):  # the control plane went away: shut down
+            return
         if kind == "shutdown":
             return
         try:
             if kind == "step":
                 result_send.send(("result", runner.run(payload)))
             elif kind == "replay":
-                start = time.perf_counter()
+                start = time.monotonic()
                 for plan in payload:
                     runner.run(plan)
-                result_send.send(("replayed", time.perf_counter() - start))
+                result_send.send(("result", StepResult(REPLAY_STEP, [], None, None, start,
+                                                       time.monotonic())))  # fmt: skip
         except (BrokenPipeError, OSError):
             return
 

@@ -16,7 +16,7 @@ from collections import deque
 
 import torch
 
-from streams.device import Device, DeviceSpec
+from streams.device import REPLAY_STEP, Device, DeviceSpec
 from streams.plan import StepPlan, StepResult
 
 
@@ -61,14 +61,13 @@ class CudaDevice(Device):
             results.append(self._done.popleft())
         return results
 
-    def replay(self, plans: list[StepPlan]) -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        with torch.cuda.stream(self.compute):
-            for plan in plans:
-                self.runner.run(plan)
-        self.compute.synchronize()
-        return time.perf_counter() - start
+    def alive(self) -> bool:
+        return not self._closed and self._worker.is_alive()
+
+    def launch_replay(self, plans: list[StepPlan]) -> None:
+        if self._closed:
+            raise RuntimeError("device is closed")
+        self._inbox.put(plans)
 
     def close(self) -> None:
         if self._closed:
@@ -85,7 +84,14 @@ class CudaDevice(Device):
             if plan is None:
                 return
             with torch.cuda.stream(self.compute):
-                result = self.runner.run(plan)  # tokens reach the host through one sync
+                if isinstance(plan, list):  # a replay: recorded plans back to back
+                    start = time.monotonic()
+                    for step in plan:
+                        self.runner.run(step)
+                    self.compute.synchronize()
+                    result = StepResult(REPLAY_STEP, [], None, None, start, time.monotonic())
+                else:
+                    result = self.runner.run(plan)  # tokens reach the host through one sync
             self._done.append(result)
             try:
                 os.write(self._write_fd, b"\x01")

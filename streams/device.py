@@ -16,6 +16,13 @@ from streams.plan import StepPlan, StepResult
 ModelFactory = Callable[[], Any]
 
 
+REPLAY_STEP = -1
+
+
+class DeviceError(RuntimeError):
+    """The device failed as a whole (not one step): it died or cannot start."""
+
+
 @dataclass(slots=True)
 class DeviceSpec:
     """What a device needs to start: how to build the model, and the KV pool's shape."""
@@ -41,8 +48,16 @@ class Device(ABC):
         """Results of finished steps, in launch order; never blocks for a running step."""
 
     @abstractmethod
-    def replay(self, plans: list[StepPlan]) -> float:
-        """Run recorded plans back to back with no control plane; seconds taken (roofline)."""
+    def launch_replay(self, plans: list[StepPlan]) -> None:
+        """Enqueue recorded plans to run back to back with no control plane (the roofline).
+
+        Completes like a step: ``collect`` returns one StepResult with step_id REPLAY_STEP
+        whose device span covers the whole replay.
+        """
+
+    @abstractmethod
+    def alive(self) -> bool:
+        """False once the device can no longer run steps (its process died, say)."""
 
     @abstractmethod
     def close(self) -> None:

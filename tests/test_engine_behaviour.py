@@ -263,3 +263,22 @@ async def test_an_id_is_reusable_once_its_aborted_request_has_left(tiny_model):
         assert len(tokens) == 50
     finally:
         await engine.aclose()
+
+
+async def test_a_dead_device_fails_running_requests_and_refuses_new_ones(tiny_model):
+    from async_engine.engine import EngineClosedError
+
+    engine = AsyncEngine(model=str(tiny_model), dtype="float32", device="cpu")
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=100_000 // 100, ignore_eos=True)
+        reasons = []
+        async for delta in engine.generate(prompt(10), params):
+            if delta.offset == 0 and delta.token_ids:
+                engine.device._proc.kill()
+            if delta.finished:
+                reasons.append(delta.finish_reason)
+        assert reasons == [FinishReason.ERROR]
+        with pytest.raises(EngineClosedError):
+            engine.add_request(prompt(3), params)
+    finally:
+        await engine.aclose()
