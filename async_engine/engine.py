@@ -132,6 +132,7 @@ class AsyncEngine:
         request_id: str | None = None,
         *,
         detokenize: bool = True,
+        stream: bool = True,
         max_queue_ms: int | None = None,
         time_limit_ms: int | None = None,
         **options: Any,
@@ -153,7 +154,7 @@ class AsyncEngine:
             req.time_deadline = req.arrival_time + time_limit_ms / 1000
         if self.scheduler.num_waiting >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
-        self._streams[req.request_id] = RequestStream()
+        self._streams[req.request_id] = RequestStream(final_only=not stream)
         self._processors[req.request_id] = OutputProcessor(req, self.tokenizer, detokenize)
         self.scheduler.add_request(req)
         if req.queue_deadline is not None or req.time_deadline is not None:

@@ -18,6 +18,7 @@ from async_engine.config import EngineConfig
 from async_engine.engine import AsyncEngine
 from async_engine.request import Request
 from async_engine.stats import EngineStats
+from async_engine.tokenizer import decode_continuation
 from sampler.params import SamplingParams
 
 Prompt = str | list[int]
@@ -199,6 +200,9 @@ class LLM:
     ) -> list[Request]:
         """One request per sample: n > 1 fans out into children "<id>#<i>" (seed + i)."""
         n = 1 if params is None else params.n
+        # Whole results only: wake once per request, and detokenize once at the end unless
+        # stop strings must be matched as the text grows.
+        options = {"stream": False, "detokenize": bool(params and params.stop), **options}
         if n == 1:
             return [self.engine.add_request(params=params, **item, **options)]
         base = options.get("request_id") or uuid.uuid4().hex
@@ -251,5 +255,10 @@ class LLM:
         finally:
             engine.release(req)
         out.text = "".join(text)
+        tokenizer = engine.tokenizer
+        if not req.params.stop and tokenizer is not None:
+            out.text = decode_continuation(
+                tokenizer, req.prompt_ids, out.token_ids, req.params.skip_special_tokens
+            )
         out.num_cached_tokens = req.num_cached_tokens
         return out

@@ -45,18 +45,24 @@ class RequestDelta:
 
 
 class RequestStream:
-    """A request's pending output: the engine never waits for the reader."""
+    """A request's pending output: the engine never waits for the reader.
 
-    def __init__(self) -> None:
+    ``final_only`` wakes the reader once, at the end, with everything merged: an offline
+    caller that wants whole results should not cost the control plane a wake-up per token.
+    """
+
+    def __init__(self, final_only: bool = False) -> None:
         self._pending: RequestDelta | None = None
         self._ready = asyncio.Event()
+        self._final_only = final_only
 
     def put(self, delta: RequestDelta) -> None:
         if self._pending is None:
             self._pending = delta
         else:
             self._pending.merge(delta)
-        self._ready.set()
+        if delta.finished or not self._final_only:
+            self._ready.set()
 
     async def get(self) -> RequestDelta:
         await self._ready.wait()

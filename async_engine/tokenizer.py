@@ -33,6 +33,19 @@ class Tokenizer:
         return list(ids)
 
 
+def decode_continuation(
+    tokenizer: Tokenizer, prompt_ids: list[int], output_ids: list[int], skip_special: bool
+) -> str:
+    """The text of output_ids as it continues the prompt (same result as the incremental path).
+
+    A few prompt tokens go in front because some tokenizers drop a leading space or merge
+    bytes across the boundary when a sequence is decoded on its own.
+    """
+    context = prompt_ids[-IncrementalDetokenizer.CONTEXT :]
+    head = tokenizer.decode(context, skip_special)
+    return tokenizer.decode(context + output_ids, skip_special)[len(head) :]
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of output tokens into text deltas.
 

@@ -282,3 +282,14 @@ async def test_a_dead_device_fails_running_requests_and_refuses_new_ones(tiny_mo
             engine.add_request(prompt(3), params)
     finally:
         await engine.aclose()
+
+
+def test_offline_text_equals_the_streamed_text(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    offline = llm.generate([prompt(9)], params)[0]
+
+    async def streamed():
+        return "".join([d.text async for d in llm.engine.generate(prompt(9), params)])
+
+    assert llm._runner.run(streamed()) == offline.text
+    assert offline.text
