@@ -127,16 +127,20 @@ async def test_deadline_aborts_the_request_and_frees_its_blocks(client: AsyncCli
 
 
 async def test_slow_reader_gets_a_contiguous_stream_and_does_not_hold_back_others(
-    client: AsyncClient,
+    server: BackgroundServer, client: AsyncClient
 ) -> None:
     opts = {"max_tokens": 60, **GREEDY}
     done: dict[str, float] = {}
+    # A tiny HTTP/2 window makes the slow reader push back on the server within a few
+    # messages; with the default window the server could send all 60 before it noticed.
+    small_window = [("grpc.http2.lookahead_bytes", 256), ("grpc.http2.bdp_probe", 0)]
 
     async def slow() -> Transcript:
         out = Transcript()
-        async for event in client.generate([1000, 1001, 1002], **opts):
-            out.add(event)
-            await asyncio.sleep(0.05)
+        async with AsyncClient(server.address, options=small_window) as slow_client:
+            async for event in slow_client.generate([1000, 1001, 1002], **opts):
+                out.add(event)
+                await asyncio.sleep(0.05)
         done["slow"] = asyncio.get_running_loop().time()
         return out
 
