@@ -98,6 +98,13 @@ def _add_profile_parser(sub: Any) -> None:
     add_parser(sub, _engine_args)
 
 
+def attach_profiler(engine: Any, out_dir: str) -> Any:
+    """Entry points inject the profiler's on-demand capture; the engine never imports it."""
+    from profiling.capture import attach
+
+    return attach(engine, out_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="async-engine")
     sub = parser.add_subparsers(dest="command", required=True)

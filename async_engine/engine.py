@@ -13,26 +13,25 @@ import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import structlog
 
 from async_engine.config import EngineConfig
+from async_engine.handoff import DeviceLink
 from async_engine.inputs import DuplicateRequestError, InputBuilder, InputLimits, QueueFullError
 from async_engine.model import build_model, load_model_config, resolve_model
 from async_engine.observer import StepObserver
-from async_engine.output import OutputProcessor, RequestDelta, RequestStream
+from async_engine.output import OutputProcessor, RequestDelta, RequestStream, request_timings
 from async_engine.request import FinishReason, Request
 from async_engine.scheduler import Scheduler, SchedulerConfig
 from async_engine.stats import DeviceTimeline, EngineStats, PhaseClock
 from async_engine.tokenizer import Tokenizer
 from blockalloc import BlockPool
 from sampler.params import SamplingParams
-from streams.device import REPLAY_STEP, DeviceError, DeviceSpec, create_device
+from streams.device import DeviceSpec, create_device
 from streams.plan import StepPlan, StepResult
 
-StepFuture = asyncio.Future  # resolves to StepResult
 log = structlog.get_logger("async_engine")
 
 
@@ -41,8 +40,6 @@ class EngineClosedError(RuntimeError):
 
 
 class AsyncEngine:
-    WATCHDOG_S = 2.0  # how often a step that has not finished checks the device is alive
-
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
         self.config = config = config or EngineConfig(**overrides)
         self.model_path = folder = resolve_model(config.model)
@@ -74,8 +71,7 @@ class AsyncEngine:
         self.phase_clock = PhaseClock()
         self._streams: dict[str, RequestStream] = {}
         self._processors: dict[str, OutputProcessor] = {}
-        self._futures: dict[int, StepFuture] = {}
-        self._launched: dict[int, StepPlan] = {}
+        self.link = DeviceLink(self.device, self._on_step_done)
         self._timed: list[Request] = []  # requests with a queue or time limit
         self.observer: StepObserver | None = None  # a profiler's hooks, injected
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -133,8 +129,6 @@ class AsyncEngine:
         *,
         detokenize: bool = True,
         stream: bool = True,
-        max_queue_ms: int | None = None,
-        time_limit_ms: int | None = None,
         **options: Any,
     ) -> Request:
         """Validate and queue a request (call from the event loop's thread)."""
@@ -143,15 +137,6 @@ class AsyncEngine:
             # An ended request keeps its id until its last launched step has completed.
             raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
         req = self.inputs.build(prompt, params, request_id=request_id, **options)
-        for name, value in (("max_queue_ms", max_queue_ms), ("time_limit_ms", time_limit_ms)):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 0
-            ):
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-        if max_queue_ms is not None:
-            req.queue_deadline = req.arrival_time + max_queue_ms / 1000
-        if time_limit_ms is not None:
-            req.time_deadline = req.arrival_time + time_limit_ms / 1000
         if self.scheduler.num_waiting >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         self._streams[req.request_id] = RequestStream(final_only=not stream)
@@ -179,12 +164,7 @@ class AsyncEngine:
     async def replay(self, plans: list[StepPlan]) -> float:
         """Run recorded plans back to back on the device (the roofline); seconds taken."""
         self._ensure_started()
-        assert self._loop is not None
-        future = self._loop.create_future()
-        self._futures[REPLAY_STEP] = future
-        self.device.launch_replay(plans)
-        result: StepResult = await future
-        return result.device_end - result.device_start
+        return await self.link.replay(plans)
 
     def stats(self) -> EngineStats:
         return EngineStats.collect(self)
@@ -206,11 +186,7 @@ class AsyncEngine:
         self._shutdown()
 
     def _shutdown(self) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            try:
-                self._loop.remove_reader(self.device.completion_fd())
-            except (OSError, ValueError, RuntimeError):
-                pass
+        self.link.detach()
         self.device.close()
 
     # ------------------------------------------------------------- the loops
@@ -223,7 +199,7 @@ class AsyncEngine:
             return
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        self._loop.add_reader(self.device.completion_fd(), self._on_device_ready)
+        self.link.attach(self._loop)
         loop_fn = self.overlap_loop if self.config.overlap else self.normal_loop
         self._task = self._loop.create_task(self._run(loop_fn), name="async-engine-loop")
 
@@ -239,7 +215,7 @@ class AsyncEngine:
             raise
 
     async def overlap_loop(self) -> None:
-        inflight: tuple[StepPlan, StepFuture] | None = None
+        inflight: tuple[StepPlan, asyncio.Future] | None = None
         while True:
             plan = self._schedule()
             launched = self._launch(plan) if plan is not None else None
@@ -283,17 +259,9 @@ class AsyncEngine:
             keep.append(req)
         self._timed = keep
 
-    async def _wait(self, plan: StepPlan, future: StepFuture) -> StepResult:
+    async def _wait(self, plan: StepPlan, future: asyncio.Future) -> StepResult:
         start = time.monotonic()
-        while True:
-            done, _ = await asyncio.wait((future,), timeout=self.WATCHDOG_S)
-            if done:
-                break
-            # No word from the device for a while: is it alive, and did we miss a wake-up?
-            if not self.device.alive():
-                raise DeviceError("the device stopped while running a step")
-            self._on_device_ready()
-        result = future.result()
+        result = await self.link.result(future)
         self._phase("wait", plan.step_id, start, time.monotonic())
         return result
 
@@ -306,41 +274,19 @@ class AsyncEngine:
         await self._wake.wait()
         self.timeline.mark_idle_engine()
 
-    def _launch(self, plan: StepPlan) -> tuple[StepPlan, StepFuture]:
-        assert self._loop is not None
-        future = self._loop.create_future()
-        self._futures[plan.step_id] = future
+    def _launch(self, plan: StepPlan) -> tuple[StepPlan, asyncio.Future]:
         if self.recorded_plans is not None:
             self.recorded_plans.append(plan)
         start = time.monotonic()
         self.timeline.on_launch(plan.step_id, start)
-        self._launched[plan.step_id] = plan
-        self.device.launch(plan)
+        future = self.link.launch(plan)
         self._phase("launch", plan.step_id, start, time.monotonic())
         return plan, future
 
-    def _on_device_ready(self) -> None:
-        try:
-            results = self.device.collect()
-        except Exception as exc:
-            for future in self._futures.values():
-                if not future.done():
-                    future.set_exception(exc)
-            self._futures.clear()
-            assert self._loop is not None
-            self._loop.remove_reader(self.device.completion_fd())
-            return
-        for result in results:
-            if result.step_id == REPLAY_STEP:
-                self._futures.pop(REPLAY_STEP).set_result(result)
-                continue
-            self.timeline.on_result(result)
-            plan = self._launched.pop(result.step_id, None)
-            if self.observer is not None and plan is not None:
-                self.observer.on_device(plan, result)
-            future = self._futures.pop(result.step_id, None)
-            if future is not None and not future.done():
-                future.set_result(result)
+    def _on_step_done(self, plan: StepPlan, result: StepResult) -> None:
+        self.timeline.on_result(result)
+        if self.observer is not None:
+            self.observer.on_device(plan, result)
 
     def _apply(self, plan: StepPlan, result: StepResult) -> None:
         start = time.monotonic()
@@ -377,19 +323,5 @@ class AsyncEngine:
             delta.finished = True
             delta.finish_reason = req.finish_reason
             delta.stop_reason = req.stop_reason
-            delta.timings = _timings(req)
+            delta.timings = request_timings(req)
         stream.put(delta)
-
-
-def _timings(req: Request) -> dict[str, float]:
-    end = req.finished_time or time.monotonic()
-    out = {"e2e_s": end - req.arrival_time}
-    if req.scheduled_time is not None:
-        out["queue_s"] = req.scheduled_time - req.arrival_time
-    if req.first_token_time is not None:
-        out["ttft_s"] = req.first_token_time - req.arrival_time
-    return out
-
-
-def model_folder(engine: AsyncEngine) -> Path:
-    return engine.model_path

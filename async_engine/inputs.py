@@ -45,6 +45,8 @@ class InputBuilder:
         priority: int = 0,
         tenant: str = "",
         truncate_prompt: bool = False,
+        max_queue_ms: int | None = None,
+        time_limit_ms: int | None = None,
     ) -> Request:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -59,10 +61,20 @@ class InputBuilder:
         rid = request_id if request_id else uuid.uuid4().hex
         if not isinstance(rid, str):
             raise ValueError(f"request_id must be a string, got {type(rid).__name__}")
-        return Request(
+        for name, value in (("max_queue_ms", max_queue_ms), ("time_limit_ms", time_limit_ms)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        req = Request(
             rid, ids, params, eos_ids=self.limits.eos_ids, priority=priority, tenant=tenant,
             arrival_seq=next(self._arrivals),
         )  # fmt: skip
+        if max_queue_ms is not None:
+            req.queue_deadline = req.arrival_time + max_queue_ms / 1000
+        if time_limit_ms is not None:
+            req.time_deadline = req.arrival_time + time_limit_ms / 1000
+        return req
 
     def _prompt_ids(self, prompt: Any, messages: list[dict[str, Any]] | None) -> list[int]:
         if messages is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from async_engine.request import FinishReason, Request
@@ -135,3 +136,14 @@ class OutputProcessor:
         keep = at + len(stop) if self.req.params.include_stop_str_in_output else at
         self.text = self.text[:keep]
         return stop
+
+
+def request_timings(req: Request) -> dict[str, float]:
+    """Queue time, time to first token and end-to-end latency, in seconds."""
+    end = req.finished_time or time.monotonic()
+    out = {"e2e_s": end - req.arrival_time}
+    if req.scheduled_time is not None:
+        out["queue_s"] = req.scheduled_time - req.arrival_time
+    if req.first_token_time is not None:
+        out["ttft_s"] = req.first_token_time - req.arrival_time
+    return out

@@ -13,8 +13,9 @@ import heapq
 import time
 from dataclasses import dataclass
 
+from async_engine.kv_manager import KVCacheManager
 from async_engine.request import FinishReason, Request, RequestStatus
-from blockalloc import BlockPool, block_hashes
+from blockalloc import BlockPool
 from streams.plan import PLACEHOLDER, NewSlot, StepPlan
 
 
@@ -30,6 +31,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
         self.config = config
         self.pool = pool
+        self.kv = KVCacheManager(pool, config.block_size)
         self.requests: dict[str, Request] = {}
         self.waiting: list[tuple[int, int, Request]] = []  # heap of (priority, arrival, req)
         self.running: list[Request] = []
@@ -74,8 +76,8 @@ class Scheduler:
             n = self._num_new_tokens(req, budget)
             if n == 0:
                 continue
-            while not self._allocate_slots(req, n):
-                if self._blocks_arriving() >= self._blocks_needed(req, n) - self.pool.num_free:
+            while not self.kv.allocate_slots(req, n):
+                if self._blocks_arriving() >= self.kv.blocks_needed(req, n) - self.pool.num_free:
                     break  # blocks of ended requests come back after the running step
                 victim = self._pick_victim(exclude=[r for r, _ in chosen])
                 self._preempt(victim)
@@ -91,10 +93,10 @@ class Scheduler:
                 break
             req = self.waiting[0][2]
             if req.num_computed_tokens == 0 and not req.block_ids:
-                self._lookup_prefix(req)
+                self.kv.lookup_prefix(req)
             n = self._num_new_tokens(req, budget)
-            if n == 0 or not self._allocate_slots(req, n):
-                self._release_blocks(req)  # give back prefix-cache hits; retry next step
+            if n == 0 or not self.kv.allocate_slots(req, n):
+                self.kv.release(req)  # give back prefix-cache hits; retry next step
                 req.num_computed_tokens = 0
                 break
             heapq.heappop(self.waiting)
@@ -151,51 +153,6 @@ class Scheduler:
             if samples:
                 req.num_inflight += 1
         return plan
-
-    # ------------------------------------------------------------- KV blocks
-    def _blocks_needed(self, req: Request, n: int) -> int:
-        bs = self.config.block_size
-        return -(-(req.num_computed_tokens + n) // bs) - len(req.block_ids)
-
-    def _allocate_slots(self, req: Request, n: int) -> bool:
-        """Grow the request's append-only block table to hold n more tokens; False: preempt."""
-        need = self._blocks_needed(req, n)
-        if need <= 0:
-            return True
-        blocks = self.pool.allocate(need)
-        if blocks is None:
-            return False
-        req.block_ids.extend(blocks)
-        return True
-
-    def _lookup_prefix(self, req: Request) -> None:
-        # Leave at least one token to compute: its logits give the next token.
-        known = req.known_tokens(req.num_tokens - 1)
-        req.block_hashes = block_hashes(known, self.config.block_size)
-        hits = self.pool.lookup(req.block_hashes)
-        req.block_ids = hits
-        req.block_hashes = req.block_hashes[: len(hits)]
-        req.num_computed_tokens = len(hits) * self.config.block_size
-        if not req.output_ids and req.num_preemptions == 0:
-            req.num_cached_tokens = req.num_computed_tokens
-
-    def _register_full_blocks(self, req: Request) -> None:
-        bs = self.config.block_size
-        full = min(req.num_computed_tokens, req.num_tokens) // bs
-        if len(req.block_hashes) >= full:
-            return
-        parent = req.block_hashes[-1] if req.block_hashes else None
-        start = len(req.block_hashes) * bs
-        new = block_hashes(req.known_tokens(full * bs)[start:], bs, parent)
-        for h in new:
-            self.pool.register(req.block_ids[len(req.block_hashes)], h)
-            req.block_hashes.append(h)
-
-    def _release_blocks(self, req: Request) -> None:
-        # Tail first, so that shared prefix heads are evicted last.
-        self.pool.free(reversed(req.block_ids))
-        req.block_ids = []
-        req.block_hashes = []
 
     def _blocks_arriving(self) -> int:
         return sum(len(r.block_ids) for r in self._deferred)
@@ -255,7 +212,7 @@ class Scheduler:
             req = self.requests.get(rid)
             if not sampled:
                 if req is not None and not req.finished:
-                    self._register_full_blocks(req)
+                    self.kv.register_full_blocks(req)
                 continue
             token = tokens[row]
             if req is None or req.finished:
@@ -273,7 +230,7 @@ class Scheduler:
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            self._register_full_blocks(req)
+            self.kv.register_full_blocks(req)
             reason = self._check_stop(req, token)
             if reason is not None:
                 self.finish(req, reason, stop_reason=token if reason is FinishReason.STOP else None)
@@ -346,7 +303,7 @@ class Scheduler:
             self._deferred.append(req)
 
     def _release_now(self, req: Request, keep_slot: bool = False) -> None:
-        self._release_blocks(req)
+        self.kv.release(req)
         req.released_time = time.monotonic()
         if not keep_slot and req.slot is not None and req.finished:
             self._released_slots.append(req.slot)

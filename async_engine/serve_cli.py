@@ -35,6 +35,9 @@ def add_parser(sub: Any, engine_args: Callable[[argparse.ArgumentParser], None])
                    help=f"require 'authorization: Bearer <token>' (default: ${AUTH_ENV})")  # fmt: skip
     p.add_argument("--max-message-bytes", type=int, default=4 << 20)
     p.add_argument("--max-prompt-chars", type=int, default=1 << 20)
+    p.add_argument("--profile-dir", default=None,
+                   help="enable on-demand step captures into DIR: `kill -USR2 <pid>` or "
+                        "`touch DIR/capture-now` traces the next 200 steps")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
 
@@ -63,6 +66,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     # The engine starts its device process before the loop exists (construction blocks).
     engine = AsyncEngine(**engine_options(args), max_waiting=args.max_waiting)
+    if args.profile_dir:
+        from async_engine.cli import attach_profiler
+
+        attach_profiler(engine, args.profile_dir)  # before the loop: signals need the main thread
     try:
         uvloop.run(_serve(engine, options))
     finally:

@@ -27,31 +27,26 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+def _launch(kernel_name: str, n: int, *args: Any) -> None:
+    """Run a kernel of tokens.cu over n items on torch's current stream."""
+    import cupy
+
+    if n == 0:
+        return
+    kernel = _module("tokens").get_function(kernel_name)
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    with stream:
+        kernel(((n + THREADS - 1) // THREADS,), (THREADS,), (*args, cupy.int32(n)))
+
+
 def fill_placeholders(
     input_ids: torch.Tensor, token_slots: torch.Tensor, token_buffer: torch.Tensor
 ) -> None:
-    """In place on the current stream: input_ids[i] = token_buffer[token_slots[i]] where < 0."""
-    import cupy
-
-    n = input_ids.numel()
-    if n == 0:
-        return
-    kernel = _module("tokens").get_function("fill_placeholders")
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-    with stream:
-        kernel(((n + THREADS - 1) // THREADS,), (THREADS,),
-               (_ptr(input_ids), _ptr(token_slots), _ptr(token_buffer), cupy.int32(n)))  # fmt: skip
+    """In place: input_ids[i] = token_buffer[token_slots[i]] where input_ids[i] < 0."""
+    _launch("fill_placeholders", input_ids.numel(), _ptr(input_ids), _ptr(token_slots),
+            _ptr(token_buffer))  # fmt: skip
 
 
 def scatter_tokens(token_buffer: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-    """In place on the current stream: token_buffer[slots[i]] = tokens[i]."""
-    import cupy
-
-    n = slots.numel()
-    if n == 0:
-        return
-    kernel = _module("tokens").get_function("scatter_tokens")
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-    with stream:
-        kernel(((n + THREADS - 1) // THREADS,), (THREADS,),
-               (_ptr(token_buffer), _ptr(slots), _ptr(tokens), cupy.int32(n)))  # fmt: skip
+    """In place: token_buffer[slots[i]] = tokens[i]."""
+    _launch("scatter_tokens", slots.numel(), _ptr(token_buffer), _ptr(slots), _ptr(tokens))

@@ -320,8 +320,12 @@ def test_capture_records_the_next_steps_on_a_flag_file_and_on_sigusr2(tiny_model
 
 
 # ------------------------------------------------------------------ boundaries
-# The CLI's one lazy hook that adds the `profile` subcommand; it runs only when parsing argv.
-ALLOWED_LAZY_IMPORTS = {("async_engine/cli.py", "_add_profile_parser")}
+# The CLI's lazy hooks: one adds the `profile` subcommand, one injects on-demand capture into
+# a server started with --profile-dir. Both run only at the entry point.
+ALLOWED_LAZY_IMPORTS = {
+    ("async_engine/cli.py", "_add_profile_parser"),
+    ("async_engine/cli.py", "attach_profiler"),
+}
 
 
 def profiling_imports(path: Path) -> list[tuple[str | None, int]]:

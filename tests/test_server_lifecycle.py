@@ -116,3 +116,24 @@ async def test_tls_server_serves_clients_that_trust_its_certificate(
         check_stream_rules(t)
     finally:
         await asyncio.to_thread(server.close)
+
+
+async def test_a_running_server_captures_steps_on_demand_without_restart(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    serve = ServeProcess(tiny_model, "--profile-dir", str(tmp_path))
+    try:
+        ready = await asyncio.to_thread(serve.wait_for, "server.ready")
+        (tmp_path / "capture-now").write_text("5")
+        async with AsyncClient(f"127.0.0.1:{ready['port']}") as client:
+            for _ in range(40):
+                await collect(client, [7, 8, 9], max_tokens=20, **GREEDY)
+                if any(p.joinpath("report.txt").exists() for p in tmp_path.glob("capture-*/")):
+                    break
+                await asyncio.sleep(0.2)
+        captures = [p for p in tmp_path.glob("capture-*/") if (p / "report.txt").exists()]
+        assert captures, "no capture was written"
+        assert (captures[0] / "trace.json").stat().st_size > 0
+    finally:
+        serve.proc.send_signal(signal.SIGTERM)
+        serve.proc.wait(timeout=60)
