@@ -105,10 +105,6 @@ class GenerationService(pb_grpc.GenerationServicer):
         return call
 
     def _add(self, sub: Submission, child_id: str, index: int) -> Request:
-        # An ended request stays in the scheduler until its last launched step completes;
-        # reusing its id before then must be ALREADY_EXISTS (the engine would leak its stream).
-        if child_id in self.engine.scheduler.requests:
-            raise already_exists(child_id)
         try:
             return self.engine.add_request(
                 sub.prompt, sub.params_for(index), child_id, **sub.options()

@@ -15,7 +15,6 @@ from async_engine.server_errors import RpcFailure, invalid_argument
 from async_engine.v1 import generation_pb2 as pb
 from sampler.params import SamplingParams
 
-_SEED_MOD = 2**64
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -48,9 +47,7 @@ class Submission:
 
     def params_for(self, index: int) -> SamplingParams:
         """Child ``index`` of an n > 1 request samples with seed + index (distinct outputs)."""
-        if self.n == 1 or self.params.seed is None:
-            return self.params
-        return _replace(self.params, seed=(self.params.seed + index) % _SEED_MOD)
+        return self.params if self.n == 1 else self.params.for_sample(index)
 
     def options(self) -> dict[str, Any]:
         return {
@@ -163,12 +160,6 @@ def _params_kwargs(msg: pb.GenerateRequest) -> dict[str, Any]:
     if out.HasField("logprobs"):
         kwargs["logprobs"] = out.logprobs
     return kwargs
-
-
-def _replace(params: SamplingParams, **changes: Any) -> SamplingParams:
-    data = params.to_dict()
-    data.update(changes)
-    return SamplingParams(**data)
 
 
 # ------------------------------------------------------------------ responses
