@@ -109,11 +109,15 @@ class InputBuilder:
                     f"({params.max_tokens}) exceeds the context length {limit}"
                 )
             ids = ids[-room:]  # keep the end, where the question usually is
+        # A request must fit the whole KV pool on its own at its longest, or it could be
+        # preempted forever; without max_tokens it may grow to the context length.
         capacity = self.limits.max_prompt_blocks * self.limits.block_size
-        if len(ids) + (params.max_tokens or 1) > capacity:
+        longest = len(ids) + params.max_tokens if params.max_tokens is not None else limit
+        if longest > capacity:
             raise ValueError(
-                f"prompt: {len(ids)} tokens plus max_tokens cannot fit the KV cache "
-                f"({capacity} tokens); raise num_kv_blocks"
+                f"max_tokens: prompt ({len(ids)} tokens) plus max_tokens "
+                f"({params.max_tokens}) cannot fit the KV cache ({capacity} tokens); "
+                "lower max_tokens or raise num_kv_blocks"
             )
         return ids
 

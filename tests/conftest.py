@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import hypothesis  # noqa: F401  (see below)
 import pytest
+
+# Imported here, at collection, on purpose: otherwise hypothesis's plugin imports it at
+# session finish from deep inside pytest's hooks, where CPython 3.11.7's assertion-rewrite
+# compile can fail with "AST constructor recursion depth mismatch".
 
 # Real English, so greedy decoding has clear winners (random ids invite near-ties).
 TEXT = (

@@ -293,3 +293,14 @@ def test_offline_text_equals_the_streamed_text(llm):
 
     assert llm._runner.run(streamed()) == offline.text
     assert offline.text
+
+
+def test_a_request_that_could_outgrow_the_whole_kv_pool_is_refused(tiny_model):
+    # 8 blocks of 16 tokens hold 128 tokens; the tiny model's context is longer.
+    with LLM(str(tiny_model), dtype="float32", device="cpu", num_kv_blocks=8) as llm:
+        with pytest.raises(ValueError, match="max_tokens"):
+            llm.generate([prompt(10)], SamplingParams(max_tokens=None))
+        with pytest.raises(ValueError, match="KV cache"):
+            llm.generate([prompt(100)], SamplingParams(max_tokens=40))
+        out = llm.generate([prompt(100)], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+        assert len(out.token_ids) == 20
