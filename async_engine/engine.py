@@ -63,7 +63,8 @@ class AsyncEngine:
             self.tokenizer,
         )
         spec = DeviceSpec(
-            functools.partial(build_model, str(folder), self.dtype), num_blocks, config.block_size,
+            functools.partial(build_model, str(folder), self.dtype, self.device_kind),
+            num_blocks, config.block_size,
             config.resolved_device_threads(), config.fail_on_token_id,
         )  # fmt: skip
         self.device = create_device(self.device_kind, spec)
