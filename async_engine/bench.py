@@ -36,19 +36,9 @@ class Workload:
         ]
 
 
-def steady_decode_idle(plans: list[Any], spans: list[tuple[int, float, float, bool]]) -> float:
-    """Device idle fraction over steps where every request decodes one token."""
-    decode = {p.step_id for p in plans if p.query_lens and max(p.query_lens) == 1}
-    busy = idle = 0.0
-    prev: tuple[int, float, float, bool] | None = None
-    for span in spans:
-        step, start, end, after_idle = span
-        if step in decode and prev is not None and prev[0] in decode:
-            busy += end - start
-            if not after_idle:
-                idle += max(0.0, start - prev[2])
-        prev = span
-    return idle / (busy + idle) if busy + idle > 0 else float("nan")
+def decode_steps(plans: list[Any]) -> set[int]:
+    """Steps where every request decodes one token: the "steady decode" of the reports."""
+    return {p.step_id for p in plans if p.query_lens and max(p.query_lens) == 1}
 
 
 def run_engine(options: dict[str, Any], prompts: list[list[int]], max_tokens: int, overlap: bool,
@@ -73,7 +63,7 @@ def run_engine(options: dict[str, Any], prompts: list[list[int]], max_tokens: in
             "tokens_per_s": tokens / wall,
             "steps": len(plans),
             "idle_fraction": engine.timeline.idle_fraction(),
-            "steady_decode_idle": steady_decode_idle(plans, list(engine.timeline.spans)),
+            "steady_decode_idle": engine.timeline.idle_fraction(only=decode_steps(plans)),
             "wasted_tokens": engine.scheduler.wasted_tokens,
         }
         if roofline:

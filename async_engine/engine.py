@@ -22,7 +22,7 @@ from async_engine.handoff import DeviceLink
 from async_engine.inputs import DuplicateRequestError, InputBuilder, InputLimits, QueueFullError
 from async_engine.model import build_model, load_model_config, resolve_model
 from async_engine.observer import StepObserver
-from async_engine.output import OutputProcessor, RequestDelta, RequestStream, request_timings
+from async_engine.output import OutputProcessor, RequestDelta, request_timings
 from async_engine.request import FinishReason, Request
 from async_engine.scheduler import Scheduler, SchedulerConfig
 from async_engine.stats import DeviceTimeline, EngineStats, PhaseClock
@@ -70,8 +70,7 @@ class AsyncEngine:
         self.device = create_device(self.device_kind, spec)
         self.timeline = DeviceTimeline()
         self.phase_clock = PhaseClock()
-        self._streams: dict[str, RequestStream] = {}
-        self._processors: dict[str, OutputProcessor] = {}
+        self._outputs: dict[str, OutputProcessor] = {}  # per request, until released
         self.link = DeviceLink(self.device, self._on_step_done)
         self._timed: list[Request] = []  # requests with a queue or time limit
         self.observer: StepObserver | None = None  # a profiler's hooks, injected
@@ -108,7 +107,7 @@ class AsyncEngine:
 
     async def stream(self, req: Request) -> AsyncIterator[RequestDelta]:
         """Deltas of a queued request, until its final one; pair with ``release``."""
-        stream = self._streams[req.request_id]
+        stream = self._outputs[req.request_id].stream
         while True:
             delta = await stream.get()
             yield delta
@@ -119,8 +118,7 @@ class AsyncEngine:
         """The consumer is gone: abort the request if it still runs and drop its stream."""
         if not req.finished:
             self.abort_now(req.request_id)
-        self._streams.pop(req.request_id, None)
-        self._processors.pop(req.request_id, None)
+        self._outputs.pop(req.request_id, None)
 
     def add_request(
         self,
@@ -134,14 +132,15 @@ class AsyncEngine:
     ) -> Request:
         """Validate and queue a request (call from the event loop's thread)."""
         self._ensure_started()
-        if request_id and (request_id in self._streams or request_id in self.scheduler.requests):
+        if request_id and (request_id in self._outputs or request_id in self.scheduler.requests):
             # An ended request keeps its id until its last launched step has completed.
             raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
         req = self.inputs.build(prompt, params, request_id=request_id, **options)
         if self.scheduler.num_waiting >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
-        self._streams[req.request_id] = RequestStream(final_only=not stream)
-        self._processors[req.request_id] = OutputProcessor(req, self.tokenizer, detokenize)
+        self._outputs[req.request_id] = OutputProcessor(
+            req, self.tokenizer, detokenize, final_only=not stream
+        )
         self.scheduler.add_request(req)
         if req.queue_deadline is not None or req.time_deadline is not None:
             self._timed.append(req)
@@ -311,9 +310,8 @@ class AsyncEngine:
             self.observer.on_phase(name, step_id, start, end)
 
     def _emit(self, req: Request) -> None:
-        processor = self._processors.get(req.request_id)
-        stream = self._streams.get(req.request_id)
-        if processor is None or stream is None:
+        processor = self._outputs.get(req.request_id)
+        if processor is None:
             return
         delta, matched = processor.process()
         if matched is not None and not req.finished:
@@ -325,4 +323,4 @@ class AsyncEngine:
             delta.finish_reason = req.finish_reason
             delta.stop_reason = req.stop_reason
             delta.timings = request_timings(req)
-        stream.put(delta)
+        processor.stream.put(delta)

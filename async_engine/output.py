@@ -76,8 +76,11 @@ class RequestStream:
 class OutputProcessor:
     """Per request: detokenize new tokens, match stop strings, hold back a possible match."""
 
-    def __init__(self, req: Request, tokenizer: Tokenizer | None, detokenize: bool) -> None:
+    def __init__(
+        self, req: Request, tokenizer: Tokenizer | None, detokenize: bool, final_only: bool
+    ) -> None:
         self.req = req
+        self.stream = RequestStream(final_only)
         params = req.params
         self.detok = None
         if tokenizer is not None and detokenize:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Container
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,10 +24,7 @@ class DeviceTimeline:
         self.spans: deque[tuple[int, float, float, bool]] = deque(maxlen=window)
         self._after_idle = True
         self._pending_after_idle: dict[int, bool] = {}
-        self.busy_s = 0.0
-        self.idle_s = 0.0
         self.steps = 0
-        self._last_end: float | None = None
 
     def mark_idle_engine(self) -> None:
         self._after_idle = True
@@ -39,26 +37,24 @@ class DeviceTimeline:
         after_idle = self._pending_after_idle.pop(result.step_id, True)
         self.spans.append((result.step_id, result.device_start, result.device_end, after_idle))
         self.steps += 1
-        self.busy_s += result.device_end - result.device_start
-        if self._last_end is not None and not after_idle:
-            self.idle_s += max(0.0, result.device_start - self._last_end)
-        self._last_end = result.device_end
 
-    def idle_fraction(self) -> float:
-        """Idle share of the device over the recent window (0 when nothing ran)."""
+    def idle_fraction(self, only: Container[int] | None = None) -> float:
+        """Idle share of the device over the recorded window (0 when nothing ran).
+
+        ``only``: count just the steps in it that follow another step in it (e.g. the
+        decode-only steps, for "steady decode").
+        """
         busy = idle = 0.0
-        prev_end = None
-        for _, start, end, after_idle in self.spans:
-            busy += end - start
-            if prev_end is not None and not after_idle:
-                idle += max(0.0, start - prev_end)
-            prev_end = end
+        prev: tuple[int, float, float, bool] | None = None
+        for span in self.spans:
+            step, start, end, after_idle = span
+            if only is None or (step in only and prev is not None and prev[0] in only):
+                busy += end - start
+                if prev is not None and not after_idle:
+                    idle += max(0.0, start - prev[2])
+            prev = span
         total = busy + idle
         return idle / total if total > 0 else 0.0
-
-    def lifetime_idle_fraction(self) -> float:
-        total = self.busy_s + self.idle_s
-        return self.idle_s / total if total > 0 else 0.0
 
 
 class PhaseClock:

@@ -102,9 +102,9 @@ class ModelRunner:
                 carried = self.token_buffer[token_slots]
                 input_ids = torch.where(input_ids == PLACEHOLDER, carried, input_ids)
         width = max(len(t) for t in plan.block_tables)
-        tables = torch.zeros(len(plan.block_tables), width, dtype=torch.long)
-        for i, table in enumerate(plan.block_tables):
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+        tables = torch.tensor(
+            [t + [0] * (width - len(t)) for t in plan.block_tables], dtype=torch.long
+        )
         ends = torch.tensor(plan.query_lens).cumsum(0) - 1
         logits_indices = ends[torch.tensor(plan.sample, dtype=torch.bool)]
         return ForwardBatch(
