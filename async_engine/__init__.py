@@ -11,19 +11,19 @@ from typing import TYPE_CHECKING, Any
 __all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "RequestOutput", "RequestDelta"]
 
 _LAZY = {
-    "LLM": "async_engine.llm",
-    "RequestOutput": "async_engine.llm",
-    "AsyncEngine": "async_engine.engine",
-    "RequestDelta": "async_engine.output",
-    "EngineConfig": "async_engine.config",
+    "LLM": "async_engine.core.llm",
+    "RequestOutput": "async_engine.core.llm",
+    "AsyncEngine": "async_engine.core.engine",
+    "RequestDelta": "async_engine.core.output",
+    "EngineConfig": "async_engine.core.config",
     "SamplingParams": "sampler.params",
 }
 
 if TYPE_CHECKING:
-    from async_engine.config import EngineConfig
-    from async_engine.engine import AsyncEngine
-    from async_engine.llm import LLM, RequestOutput
-    from async_engine.output import RequestDelta
+    from async_engine.core.config import EngineConfig
+    from async_engine.core.engine import AsyncEngine
+    from async_engine.core.llm import LLM, RequestOutput
+    from async_engine.core.output import RequestDelta
     from sampler.params import SamplingParams
 
 

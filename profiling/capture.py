@@ -114,8 +114,9 @@ class CaptureController:
         try:
             steps = int(text) if text else self.steps
         except ValueError:
-            log.warning("%s: %r is not a step count; capturing %d steps", self.flag_file, text,
-                        self.steps)  # fmt: skip
+            log.warning(
+                "%s: %r is not a step count; capturing %d steps", self.flag_file, text, self.steps
+            )
             steps = self.steps
         self.trigger(max(1, steps))
 
@@ -135,8 +136,12 @@ class CaptureController:
         folder = self.out_dir / f"capture-{time.strftime('%Y%m%d-%H%M%S')}-{self._count}"
         title = f"capture of steps {self._first}..{self._last}"
         self.finished.clear()
-        threading.Thread(target=self._write, args=(trace, folder, title), daemon=True,
-                         name="profile-capture-writer").start()  # fmt: skip
+        threading.Thread(
+            target=self._write,
+            args=(trace, folder, title),
+            daemon=True,
+            name="profile-capture-writer",
+        ).start()
 
     def _write(self, trace: Any, folder: Path, title: str) -> None:
         try:

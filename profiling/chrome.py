@@ -25,28 +25,48 @@ def to_chrome(trace: Trace, gaps: list[Gap] | None = None) -> dict[str, Any]:
     origin = trace.origin
 
     def event(name: str, cat: str, tid: int, start: float, end: float, args: dict) -> dict:
-        return {"name": name, "cat": cat, "ph": "X", "pid": PID, "tid": tid,
-                "ts": (start - origin) * 1e6, "dur": (end - start) * 1e6, "args": args}  # fmt: skip
+        return {
+            "name": name,
+            "cat": cat,
+            "ph": "X",
+            "pid": PID,
+            "tid": tid,
+            "ts": (start - origin) * 1e6,
+            "dur": (end - start) * 1e6,
+            "args": args,
+        }
 
     events: list[dict[str, Any]] = [
         {"name": "process_name", "ph": "M", "pid": PID, "tid": 0, "args": {"name": "async-engine"}}
     ]
     for name, tid in TRACKS.items():
-        events.append({"name": "thread_name", "ph": "M", "pid": PID, "tid": tid,
-                       "args": {"name": name}})  # fmt: skip
-        events.append({"name": "thread_sort_index", "ph": "M", "pid": PID, "tid": tid,
-                       "args": {"sort_index": tid}})  # fmt: skip
+        events.append(
+            {"name": "thread_name", "ph": "M", "pid": PID, "tid": tid, "args": {"name": name}}
+        )
+        events.append(
+            {
+                "name": "thread_sort_index",
+                "ph": "M",
+                "pid": PID,
+                "tid": tid,
+                "args": {"sort_index": tid},
+            }
+        )
     for p in trace.phases:
-        events.append(event(p.name, "control", TRACKS["control plane"], p.start, p.end,
-                            {"step": p.step}))  # fmt: skip
+        events.append(
+            event(p.name, "control", TRACKS["control plane"], p.start, p.end, {"step": p.step})
+        )
     for d in trace.device:
         args = {"step": d.step, **{k: getattr(d, k) for k in DEVICE_ARGS}, "kind": _kind(d)}
         events.append(event(f"step {d.step}", "device", TRACKS["device"], d.start, d.end, args))
     for g in gaps or []:
-        args = {"blame": g.blame, "after_step": g.prev_step, "before_step": g.next_step,
-                "overlaps_ms": {k: v * 1e3 for k, v in g.overlaps.items()}}  # fmt: skip
-        events.append(event(f"idle: {g.blame}", "gap", TRACKS["device idle"], g.start, g.end,
-                            args))  # fmt: skip
+        args = {
+            "blame": g.blame,
+            "after_step": g.prev_step,
+            "before_step": g.next_step,
+            "overlaps_ms": {k: v * 1e3 for k, v in g.overlaps.items()},
+        }
+        events.append(event(f"idle: {g.blame}", "gap", TRACKS["device idle"], g.start, g.end, args))
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
@@ -86,8 +106,11 @@ def from_chrome(data: dict[str, Any]) -> Trace:
             trace.phases.append(PhaseSpan(e["name"], int(args.get("step", -1)), start, end))
         elif e.get("cat") == "device":
             extra = [args.get(k, 0) for k in DEVICE_ARGS]
-            trace.device.append(DeviceSpan(int(args.get("step", -1)), start, end,
-                                           *map(int, extra[:4]), bool(extra[4])))  # fmt: skip
+            trace.device.append(
+                DeviceSpan(
+                    int(args.get("step", -1)), start, end, *map(int, extra[:4]), bool(extra[4])
+                )
+            )
     return trace.sorted()
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from async_engine.observer import PHASES
+from async_engine.core.observer import PHASES
 from profiling.trace import DeviceSpan, PhaseSpan, Trace
 
 KERNEL_TABLE = "CUPTI_ACTIVITY_KIND_KERNEL"

@@ -16,8 +16,13 @@ from profiling.report import Report
 from profiling.trace import Trace
 
 PHASE_ROWS = ("schedule", "launch", "wait", "apply", "stream")
-PHASE_COLORS = {"schedule": "#1f77b4", "launch": "#ff7f0e", "wait": "#b0b0b0",
-                "apply": "#2ca02c", "stream": "#9467bd"}  # fmt: skip
+PHASE_COLORS = {
+    "schedule": "#1f77b4",
+    "launch": "#ff7f0e",
+    "wait": "#b0b0b0",
+    "apply": "#2ca02c",
+    "stream": "#9467bd",
+}
 KIND_COLORS = {"decode": "#17607a", "prefill": "#8c564b", "mixed": "#bcbd22", "unknown": "#555"}
 GAP_COLOR = "#d62728"
 ZOOM_STEPS = 6
@@ -50,8 +55,9 @@ def _draw_rows(ax, trace: Trace, report: Report, t0: float, t1: float, origin: f
         xs = [((s - origin) * 1e3, (e - s) * 1e3) for s, e in clipped]
         if xs:
             # An edge keeps sub-pixel spans (a 0.1 ms phase on a 300 ms axis) visible.
-            ax.broken_barh(xs, (row - height / 2, height), facecolors=color, edgecolors=color,
-                           linewidth=0.6)  # fmt: skip
+            ax.broken_barh(
+                xs, (row - height / 2, height), facecolors=color, edgecolors=color, linewidth=0.6
+            )
 
     for kind, color in KIND_COLORS.items():
         bars(0, [(d.start, d.end) for d in trace.device if _kind(d) == kind], color)
@@ -96,14 +102,17 @@ def plot_timeline(trace: Trace, report: Report, path: str | Path, title: str = "
     end = max((d.end for d in trace.device), default=origin + 1)
     whole = fig.add_subplot(grid[0])
     _draw_rows(whole, trace, report, origin, end, origin)
-    whole.set_title(f"{title} whole window: device idle {100 * report.idle_fraction:.1f} %",
-                    fontsize=10)  # fmt: skip
+    whole.set_title(
+        f"{title} whole window: device idle {100 * report.idle_fraction:.1f} %", fontsize=10
+    )
     t0, t1 = zoom_window(trace)
     zoom = fig.add_subplot(grid[1])
     _draw_rows(zoom, trace, report, t0, t1, origin)
-    zoom.set_title(f"zoom: {ZOOM_STEPS} steady-decode steps "
-                   f"(steady-decode idle {100 * report.decode_idle_fraction:.1f} %)",
-                   fontsize=10)  # fmt: skip
+    zoom.set_title(
+        f"zoom: {ZOOM_STEPS} steady-decode steps "
+        f"(steady-decode idle {100 * report.decode_idle_fraction:.1f} %)",
+        fontsize=10,
+    )
     _draw_histogram(fig.add_subplot(grid[2]), [(title or "gaps", report)])
     _legend(fig)
     return _save(fig, path)
@@ -118,8 +127,11 @@ def plot_compare(entries: list[tuple[str, Trace, Report]], path: str | Path) -> 
     for row, ((label, trace, report), (t0, _)) in enumerate(zip(entries, windows, strict=True)):
         ax = fig.add_subplot(grid[row])
         _draw_rows(ax, trace, report, t0, t0 + span, t0)
-        ax.set_title(f"{label}: steady-decode idle {100 * report.decode_idle_fraction:.1f} %, "
-                     f"all steps {100 * report.idle_fraction:.1f} %", fontsize=10)  # fmt: skip
+        ax.set_title(
+            f"{label}: steady-decode idle {100 * report.decode_idle_fraction:.1f} %, "
+            f"all steps {100 * report.idle_fraction:.1f} %",
+            fontsize=10,
+        )
     _draw_histogram(fig.add_subplot(grid[len(entries)]), [(e[0], e[2]) for e in entries])
     _legend(fig)
     return _save(fig, path)

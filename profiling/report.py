@@ -1,6 +1,6 @@
 """From a trace to figures: device busy/idle, idle gaps and who the device waited on, phase CPU.
 
-Definitions (the same as ``async_engine.stats.DeviceTimeline``, so the numbers agree):
+Definitions (the same as ``async_engine.core.stats.DeviceTimeline``, so the numbers agree):
 - busy: the union of device spans; window: first device start to last device end.
 - idle gap: time between two device spans while the engine had work. A gap before a step
   launched after the engine ran out of requests (``after_idle``) is engine idle, not device
@@ -129,15 +129,20 @@ def analyze(trace: Trace) -> Report:
     runs = _merge_device(device)
     busy = [(s, e) for s, e, _, _ in runs]
     report = Report(
-        source=trace.source, steps=len(device),
+        source=trace.source,
+        steps=len(device),
         window_s=(runs[-1][1] - runs[0][0]) if runs else 0.0,
-        busy_s=sum(e - s for s, e in busy), idle_s=0.0, engine_idle_s=0.0,
-        decode_pairs=0, decode_busy_s=0.0, decode_idle_s=0.0,
+        busy_s=sum(e - s for s, e in busy),
+        idle_s=0.0,
+        engine_idle_s=0.0,
+        decode_pairs=0,
+        decode_busy_s=0.0,
+        decode_idle_s=0.0,
         tokens=sum(d.tokens for d in device),
         prefill_tokens=sum(d.prefill_tokens for d in device),
         decode_tokens=sum(d.decode_tokens for d in device),
         mean_batch=sum(d.batch for d in device) / len(device) if device else 0.0,
-    )  # fmt: skip
+    )
     cover = _Cover(trace.phases)
     launched = {p.step: p.end for p in trace.phases if p.name == "launch" and p.step >= 0}
     for (_, prev_end, _, prev_last), (start, end, next_first, _) in pairwise(runs):
@@ -227,9 +232,15 @@ def _phase_stats(phases: list[PhaseSpan], busy: list[tuple[float, float]]) -> li
             per_step[span.step] += span.end - span.start
             hidden += busy_cover.overlaps(span.start, span.end).get("busy", 0.0)
         ms = [v * 1e3 for v in per_step.values()]
-        stats.append(PhaseStat(
-            name, len(spans), len(per_step), sum(s.end - s.start for s in spans),
-            (sum(ms) / len(ms), percentile(ms, 50), percentile(ms, 95)), hidden,
-        ))  # fmt: skip
+        stats.append(
+            PhaseStat(
+                name,
+                len(spans),
+                len(per_step),
+                sum(s.end - s.start for s in spans),
+                (sum(ms) / len(ms), percentile(ms, 50), percentile(ms, 95)),
+                hidden,
+            )
+        )
     order = {n: i for i, n in enumerate(("schedule", "launch", "wait", "apply", "stream"))}
     return sorted(stats, key=lambda s: (order.get(s.name, len(order)), s.name))

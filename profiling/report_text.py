@@ -33,8 +33,10 @@ def cpu_per_step(report: Report) -> tuple[float, float]:
 
 def format_report(report: Report, title: str = "", extra: dict[str, str] | None = None) -> str:
     unit = "kernels" if report.source == "nsys" else "steps"  # nsys spans are kernels
-    lines = [f"== {title or 'step trace'} ({report.source}, {report.steps} {unit}, "
-             f"window {report.window_s:.3f} s) =="]  # fmt: skip
+    lines = [
+        f"== {title or 'step trace'} ({report.source}, {report.steps} {unit}, "
+        f"window {report.window_s:.3f} s) =="
+    ]
     for key, value in (extra or {}).items():
         lines.append(f"{key}: {value}")
     lines += [

@@ -57,12 +57,20 @@ class StepTracer:
 
     def on_device(self, plan: Any, result: Any) -> None:
         query_lens = plan.query_lens
-        decode = query_lens.count(1)
+        decode = int((query_lens == 1).sum())
         tokens = plan.num_tokens
         self._device.append(
-            (result.step_id, result.device_start, result.device_end, len(query_lens), tokens,
-             tokens - decode, decode, self._after_idle(result.step_id))
-        )  # fmt: skip
+            (
+                result.step_id,
+                result.device_start,
+                result.device_end,
+                len(query_lens),
+                tokens,
+                tokens - decode,
+                decode,
+                self._after_idle(result.step_id),
+            )
+        )
 
     def _after_idle(self, step_id: int) -> bool:
         # The engine records the step in its timeline just before calling us.

@@ -1,45 +1,23 @@
 """The built-in decode-heavy workload behind `async-engine profile`, and the tracer's cost.
 
 Decode-heavy on purpose: that is where the control plane's share of a step is largest and
-where overlap matters most (short prompts, one prefill step, then ``steps`` decode steps).
+where overlap matters most (short prompts, one prefill step, then ``max_tokens`` decode steps).
+The workload itself is async_engine.core.workload's, with one prompt length (min == max).
 """
 
 from __future__ import annotations
 
-import random
 import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from async_engine.core.workload import Workload
 from profiling.nvtx import profiler_start, profiler_stop
 from profiling.report import Report, analyze
 from profiling.trace import Trace
 from profiling.tracer import StepTracer
 from sampler.params import SamplingParams
-
-
-@dataclass(slots=True)
-class Workload:
-    steps: int = 100  # decode steps (each request generates this many tokens)
-    requests: int = 32
-    prompt_len: int = 16
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "requests", "prompt_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-    def prompts(self, vocab_size: int) -> list[list[int]]:
-        rng = random.Random(self.seed)
-        low = min(100, vocab_size // 2)  # skip the special tokens many tokenizers put first
-        return [[rng.randrange(low, vocab_size) for _ in range(self.prompt_len)]
-                for _ in range(self.requests)]  # fmt: skip
-
-    def params(self) -> SamplingParams:
-        return SamplingParams(temperature=0.0, max_tokens=self.steps, ignore_eos=True)
 
 
 @dataclass(slots=True)
@@ -57,10 +35,10 @@ class ProfileRun:
 
 def _check_fits(llm: Any, workload: Workload) -> None:
     limit = llm.engine.max_model_len
-    if workload.prompt_len + workload.steps > limit:
+    longest = workload.max_prompt + workload.max_tokens
+    if longest > limit:
         raise ValueError(
-            f"steps: prompt_len + steps = {workload.prompt_len + workload.steps} exceeds the "
-            f"model's context length {limit}"
+            f"steps: prompt_len + steps = {longest} exceeds the model's context length {limit}"
         )
 
 
@@ -73,7 +51,7 @@ def run_profile(
 ) -> ProfileRun:
     """Run the workload once with a tracer attached; cuda_window brackets the traced part with
     cudaProfilerStart/Stop (for ``nsys --capture-range=cudaProfilerApi``)."""
-    from async_engine.llm import LLM
+    from async_engine.core.llm import LLM
 
     with LLM(**options) as llm:
         _check_fits(llm, workload)
@@ -120,7 +98,7 @@ def measure_overhead(options: dict[str, Any], workload: Workload, rounds: int = 
     """Tokens/s with the tracer off and on, interleaved in one engine so drift cancels."""
     if rounds < 1:
         raise ValueError(f"rounds must be positive, got {rounds}")
-    from async_engine.llm import LLM
+    from async_engine.core.llm import LLM
 
     off: list[float] = []
     on: list[float] = []
@@ -141,16 +119,16 @@ def measure_overhead(options: dict[str, Any], workload: Workload, rounds: int = 
                 (on if traced else off).append(tokens / seconds)
                 if tracer is not None:
                     steps.append(seconds / max(1, len(tracer)))
-    return Overhead(off, on, callback_cost_us(workload.requests), statistics.median(steps))
+    return Overhead(off, on, callback_cost_us(workload.num_requests), statistics.median(steps))
 
 
 def callback_cost_us(batch: int, repeats: int = 20_000) -> float:
     """Microseconds the tracer spends per step, timed on a synthetic decode step."""
-    from streams.plan import StepPlan, StepResult
+    from streams.plan import StepPlan, StepResult, bools, int32s, int64s
 
-    plan = StepPlan(0, [f"r{i}" for i in range(batch)], list(range(batch)), [1] * batch,
-                    [64] * batch, [0] * batch, [63] * batch, [0] * batch, [[0]] * batch,
-                    [True] * batch)  # fmt: skip
+    rows = list(range(batch))
+    plan = StepPlan(0, int32s(rows), int32s([63] * batch), int32s([1] * batch),
+                    bools([True] * batch), int64s([-1] * batch))  # fmt: skip
     result = StepResult(0, [0] * batch, device_start=1.0, device_end=2.0)
     tracer = StepTracer(nvtx=False)
     start = time.perf_counter()

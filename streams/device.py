@@ -9,12 +9,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from streams.plan import StepPlan, StepResult
-
-ModelFactory = Callable[[], Any]
-
 
 REPLAY_STEP = -1
 
@@ -23,15 +20,22 @@ class DeviceError(RuntimeError):
     """The device failed as a whole (not one step): it died or cannot start."""
 
 
+class Runner(Protocol):
+    """What runs inside a device: one plan at a time, in launch order."""
+
+    def run(self, plan: StepPlan) -> StepResult: ...
+
+    def replay(self, plans: list[StepPlan]) -> StepResult:
+        """Run recorded plans back to back on fresh row state; one result spanning all."""
+        ...
+
+
 @dataclass(slots=True)
 class DeviceSpec:
-    """What a device needs to start: how to build the model, and the KV pool's shape."""
+    """What a device needs to start: how to build its runner, inside the device."""
 
-    model_factory: ModelFactory  # picklable: runs inside the device
-    num_blocks: int
-    block_size: int
-    threads: int = 1
-    fail_on_token_id: int | None = None
+    runner_factory: Callable[[], Any]  # picklable (module-level function or partial)
+    threads: int = 1  # torch threads of a CPU device
 
 
 class Device(ABC):
@@ -62,15 +66,3 @@ class Device(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop the device; safe to call twice."""
-
-
-def create_device(kind: str, spec: DeviceSpec) -> Device:
-    if kind == "cpu":
-        from streams.cpu_device import ProcessDevice
-
-        return ProcessDevice(spec)
-    if kind == "cuda":
-        from streams.cuda_device import CudaDevice
-
-        return CudaDevice(spec)
-    raise ValueError(f"device must be cpu or cuda, got {kind!r}")

@@ -1,20 +1,24 @@
-"""Runs one StepPlan on the device: build tensors, forward, sample, keep the token buffer.
+"""Runs plans through a model: row state in, tensors built, forward, sample, tokens kept.
 
-The token buffer holds, per request slot, the token the last step sampled for it. A plan
-input equal to PLACEHOLDER reads from it, which is what lets step N+1 be launched before
-the control plane has seen step N's tokens.
+The token buffer holds, per row, the token the last step sampled for it. A plan input
+equal to PLACEHOLDER reads from it, which is what lets step N+1 be launched before the
+control plane has seen step N's tokens.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from sampler.sampler import Sampler, SlotState
 from streams.batch import ForwardBatch
-from streams.plan import PLACEHOLDER, StepPlan, StepResult
+from streams.device import REPLAY_STEP
+from streams.plan import StepPlan, StepResult
+from streams.rows import RowState
 
 
 class Model(Protocol):
@@ -25,28 +29,26 @@ class Model(Protocol):
     def __call__(self, batch: ForwardBatch, kv_cache: Any) -> torch.Tensor: ...
 
 
-class StepFailed(RuntimeError):
-    pass
-
-
 class ModelRunner:
     def __init__(
         self,
         model: Model,
         num_blocks: int,
         block_size: int,
+        max_blocks_per_row: int,
         device: torch.device | str = "cpu",
-        fail_on_token_id: int | None = None,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
         self.block_size = block_size
+        self.max_blocks_per_row = max_blocks_per_row
         self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
         self.sampler = Sampler(model.cfg.vocab_size)
+        self._fresh_rows()
+
+    def _fresh_rows(self) -> None:
+        self.rows = RowState(self.block_size, self.max_blocks_per_row)
         self.states: dict[int, SlotState] = {}
-        self.token_buffer = torch.zeros(256, dtype=torch.long, device=self.device)
-        self.fail_on_token_id = fail_on_token_id
-        self.kernels = _cuda_kernels() if self.device.type == "cuda" else None
 
     def run(self, plan: StepPlan) -> StepResult:
         start = time.monotonic()
@@ -59,76 +61,70 @@ class ModelRunner:
             )  # fmt: skip
         return StepResult(plan.step_id, tokens, logprobs, top, start, time.monotonic())
 
+    def replay(self, plans: list[StepPlan]) -> StepResult:
+        """The same forward passes back to back, on row state of their own (the roofline)."""
+        live_rows, live_states = self.rows, self.states
+        self._fresh_rows()
+        try:
+            start = time.monotonic()
+            for plan in plans:
+                self._run(plan)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return StepResult(REPLAY_STEP, [], None, None, start, time.monotonic())
+        finally:
+            self.rows, self.states = live_rows, live_states
+
     @torch.inference_mode()
-    def _run(self, plan: StepPlan) -> tuple[list[int], Any, Any]:
-        for slot in plan.released_slots:
-            self.states.pop(slot, None)
-        for new in plan.new_slots:
+    def _run(self, plan: StepPlan) -> tuple[np.ndarray, Any, Any]:
+        for row in plan.released_rows.tolist():
+            self.states.pop(row, None)
+        for new in plan.new_rows:
             prompt = None
             if new.params.repetition_penalty != 1.0:
                 prompt = torch.tensor(new.prompt_ids, dtype=torch.long, device=self.device)
-            self.states[new.slot] = SlotState(new.params, prompt, list(new.stop_ids), [])
-            self._grow_token_buffer(new.slot)
-        if not plan.request_ids:
-            return [], None, None
-        if self.fail_on_token_id is not None and self.fail_on_token_id in plan.input_ids:
-            raise StepFailed(f"injected failure on token {self.fail_on_token_id}")
+            self.states[new.row] = SlotState(new.params, prompt, list(new.stop_ids), [])
+        self.rows.apply(plan)
+        if not len(plan.rows):
+            return np.zeros(0, np.int64), None, None
 
         batch = self._prepare(plan)
         logits = self.model(batch, self.kv_cache)
-        sampled_slots = [s for s, do in zip(plan.slots, plan.sample, strict=True) if do]
-        if not sampled_slots:  # only partial prefill chunks this step
-            return [], None, None
-        states = [self.states[s] for s in sampled_slots]
+        sampled_rows = plan.rows[plan.sample]
+        if not len(sampled_rows):  # only partial prefill chunks this step
+            return np.zeros(0, np.int64), None, None
+        states = [self.states[r] for r in sampled_rows.tolist()]
         result = self.sampler.sample(logits, states)
-        token_tensor = torch.tensor(result.tokens, dtype=torch.long, device=self.device)
-        rows = torch.tensor(sampled_slots, dtype=torch.long, device=self.device)
-        if self.kernels is not None:
-            self.kernels.scatter_tokens(self.token_buffer, rows, token_tensor)
-        else:
-            self.token_buffer[rows] = token_tensor
-        return result.tokens, result.logprobs, result.top_logprobs
+        tokens = np.array(result.tokens, dtype=np.int64)
+        self.rows.record_sampled(plan, tokens)
+        return tokens, result.logprobs, result.top_logprobs
 
     def _prepare(self, plan: StepPlan) -> ForwardBatch:
+        layout = self.rows.layout(plan)
+        ids = self.rows.input_ids(plan, layout.token_rows)
+        ends = np.cumsum(plan.query_lens) - 1
         dev = self.device
-        input_ids = torch.tensor(plan.input_ids, dtype=torch.long).to(dev)
-        if PLACEHOLDER in plan.input_ids:
-            token_slots = torch.repeat_interleave(
-                torch.tensor(plan.slots), torch.tensor(plan.query_lens)
-            ).to(dev)
-            if self.kernels is not None:
-                self.kernels.fill_placeholders(input_ids, token_slots, self.token_buffer)
-            else:  # torch.where, not a boolean gather: no host sync
-                carried = self.token_buffer[token_slots]
-                input_ids = torch.where(input_ids == PLACEHOLDER, carried, input_ids)
-        width = max(len(t) for t in plan.block_tables)
-        tables = torch.tensor(
-            [t + [0] * (width - len(t)) for t in plan.block_tables], dtype=torch.long
-        )
-        ends = torch.tensor(plan.query_lens).cumsum(0) - 1
-        logits_indices = ends[torch.tensor(plan.sample, dtype=torch.bool)]
+
+        def tensor(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a, np.int64)).to(dev)
+
         return ForwardBatch(
-            input_ids=input_ids,
-            positions=torch.tensor(plan.positions, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(plan.slot_mapping, dtype=torch.long, device=dev),
-            query_lens=plan.query_lens,
-            context_lens=plan.context_lens,
-            block_tables=tables.to(dev),
-            logits_indices=logits_indices.to(dev),
+            input_ids=tensor(ids),
+            positions=tensor(layout.positions),
+            slot_mapping=tensor(layout.kv_slots),
+            query_lens=plan.query_lens.tolist(),
+            context_lens=layout.context_lens.tolist(),
+            block_tables=tensor(layout.block_tables),
+            logits_indices=tensor(ends[plan.sample]),
         )
 
-    def _grow_token_buffer(self, slot: int) -> None:
-        if slot >= self.token_buffer.numel():
-            bigger = torch.zeros(2 * (slot + 1), dtype=torch.long, device=self.device)
-            bigger[: self.token_buffer.numel()] = self.token_buffer
-            self.token_buffer = bigger
 
-
-def _cuda_kernels():  # noqa: ANN202 - a module or None
-    try:
-        import cupy  # noqa: F401
-
-        from streams import cuda_kernels
-    except ImportError:
-        return None  # torch fallbacks do the same work
-    return cuda_kernels
+def build_model_runner(
+    model_factory: Callable[[], Model],
+    num_blocks: int,
+    block_size: int,
+    max_blocks_per_row: int,
+    device: str = "cpu",
+) -> ModelRunner:
+    """Module level, so a device process can receive it by name inside a partial."""
+    return ModelRunner(model_factory(), num_blocks, block_size, max_blocks_per_row, device)

@@ -33,7 +33,7 @@ def default_model() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Path:
-    from async_engine.model import make_tiny_llama
+    from tiny_models import make_tiny_llama
 
     folder = tmp_path_factory.mktemp("tiny-llama")
     make_tiny_llama(folder, tokenizer_from=default_model)

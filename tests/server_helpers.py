@@ -4,24 +4,34 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from async_engine.client import Accepted, AsyncClient, Chunk, Event, Finished
-from async_engine.engine import AsyncEngine
-from async_engine.server_app import BackgroundServer, ServerOptions
+from async_engine.core.engine import AsyncEngine
+from async_engine.server.app import BackgroundServer, ServerOptions
+from streams.device import Device
 
 
 def start_server(
-    model: Path, options: ServerOptions | None = None, **engine: Any
+    model: Path,
+    options: ServerOptions | None = None,
+    device_wrapper: Callable[[Device], Device] | None = None,
+    **engine: Any,
 ) -> BackgroundServer:
     settings: dict[str, Any] = {
-        "model": str(model), "dtype": "float32", "device": "cpu", "num_kv_blocks": 512,
-        "max_num_seqs": 32, "device_threads": 1, **engine,
-    }  # fmt: skip
+        "model": str(model),
+        "dtype": "float32",
+        "device": "cpu",
+        "num_kv_blocks": 512,
+        "max_num_seqs": 32,
+        "device_threads": 1,
+        **engine,
+    }
     options = options or ServerOptions(port=0, metrics_port=0)
-    return BackgroundServer(AsyncEngine(**settings), options)
+    return BackgroundServer(AsyncEngine(device_wrapper=device_wrapper, **settings), options)
 
 
 def token_prompts(count: int, seed: int = 0, lo: int = 5, hi: int = 60) -> list[list[int]]:

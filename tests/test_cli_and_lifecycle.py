@@ -14,9 +14,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 def run_cli(args: list[str], stdin: str, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "async_engine.cli", *args],
-        input=stdin, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        [sys.executable, "-m", "async_engine.cli.main", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_generate_cli_answers_each_jsonl_line_in_order(tiny_model: Path):
@@ -55,8 +58,9 @@ def test_a_process_that_never_closes_its_llm_still_exits_cleanly(tiny_model: Pat
         "out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))\n"
         "print(len(out[0].token_ids))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "3"
 

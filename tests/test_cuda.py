@@ -20,15 +20,17 @@ def test_kernel_compiles_with_nvcc(source: Path, tmp_path: Path):
     out = tmp_path / (source.stem + ".cubin")
     proc = subprocess.run(
         ["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-o", str(out), str(source)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert out.stat().st_size > 0
 
 
 def test_cuda_modules_import_without_a_gpu():
-    import streams.cuda_device  # noqa: F401
     import streams.cuda_kernels  # noqa: F401
+    import streams.process_device  # noqa: F401
 
 
 @pytest.mark.cuda

@@ -6,9 +6,10 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from faults import fail_on
 
 from async_engine import LLM, AsyncEngine, SamplingParams
-from async_engine.request import FinishReason
+from async_engine.core.request import FinishReason
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -81,9 +82,11 @@ def test_stop_string_is_cut_from_the_text(llm):
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == free.text[: free.text.index(stop)]
     kept = llm.generate(
-        [prompt(9)], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop],
-                                    include_stop_str_in_output=True),
-    )[0]  # fmt: skip
+        [prompt(9)],
+        SamplingParams(
+            temperature=0.0, max_tokens=12, stop=[stop], include_stop_str_in_output=True
+        ),
+    )[0]
     assert kept.text == out.text + stop
 
 
@@ -152,14 +155,16 @@ def test_prompt_plus_max_tokens_over_the_context_is_refused_or_truncated(llm):
     too_long = prompt(limit - 4)
     with pytest.raises(ValueError, match="max_tokens"):
         llm.generate([too_long], SamplingParams(max_tokens=10))
-    out = llm.generate([too_long], SamplingParams(max_tokens=10, ignore_eos=True),
-                       truncate_prompt=True)[0]  # fmt: skip
+    out = llm.generate(
+        [too_long], SamplingParams(max_tokens=10, ignore_eos=True), truncate_prompt=True
+    )[0]
     assert len(out.prompt_token_ids) == limit - 10 and len(out.token_ids) == 10
 
 
 def test_a_failing_step_fails_only_its_requests(tiny_model):
     poison = 777
-    with LLM(str(tiny_model), dtype="float32", device="cpu", fail_on_token_id=poison) as llm:
+    failing = fail_on(poison)  # the fault lives in a test-only wrapper, not in the runtime
+    with LLM(str(tiny_model), dtype="float32", device="cpu", device_wrapper=failing) as llm:
         outs = llm.generate([prompt(6), [poison, 5, 6]], GREEDY)
         # Both shared the failing prefill step; a request arriving after it is served.
         assert [o.finish_reason for o in outs] == ["error", "error"]
@@ -226,8 +231,9 @@ def test_n_samples_come_back_together_each_with_its_own_seed(llm):
     assert out.token_ids == out.outputs[0].token_ids
     assert len({tuple(o.token_ids) for o in out.outputs}) == 3
     # Sample i is what a single request with seed 7 + i gives.
-    single = llm.generate([prompt(12)], SamplingParams(temperature=1.0, seed=8, max_tokens=8,
-                                                      ignore_eos=True))[0]  # fmt: skip
+    single = llm.generate(
+        [prompt(12)], SamplingParams(temperature=1.0, seed=8, max_tokens=8, ignore_eos=True)
+    )[0]
     assert out.outputs[1].token_ids == single.token_ids
 
 
@@ -235,14 +241,15 @@ def test_a_prompt_longer_than_the_token_budget_is_chunked_with_the_same_output(t
     prompts = [prompt(90), prompt(7, 400)]
     results = []
     for budget in (16, 512):
-        with LLM(str(tiny_model), dtype="float32", device="cpu",
-                 max_num_batched_tokens=budget) as llm:  # fmt: skip
+        with LLM(
+            str(tiny_model), dtype="float32", device="cpu", max_num_batched_tokens=budget
+        ) as llm:
             results.append([o.token_ids for o in llm.generate(prompts, GREEDY)])
     assert results[0] == results[1]
 
 
 async def test_an_id_is_reusable_once_its_aborted_request_has_left(tiny_model):
-    from async_engine.inputs import DuplicateRequestError
+    from async_engine.core.inputs import DuplicateRequestError
 
     engine = AsyncEngine(model=str(tiny_model), dtype="float32", device="cpu")
     try:
@@ -266,7 +273,7 @@ async def test_an_id_is_reusable_once_its_aborted_request_has_left(tiny_model):
 
 
 async def test_a_dead_device_fails_running_requests_and_refuses_new_ones(tiny_model):
-    from async_engine.engine import EngineClosedError
+    from async_engine.core.engine import EngineClosedError
 
     engine = AsyncEngine(model=str(tiny_model), dtype="float32", device="cpu")
     try:

@@ -23,9 +23,13 @@ def hf_reference(default_model: Path, mixed_prompts: list[list[int]]) -> list[li
         for prompt in mixed_prompts:
             ids = torch.tensor([prompt])
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-            )  # fmt: skip
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+            )
             refs.append(out[0, len(prompt) :].tolist())
     return refs
 
@@ -34,8 +38,9 @@ def run(default_model: Path, prompts: list[list[int]], **options) -> tuple[list,
     # min_tokens bans EOS exactly like HF's min_new_tokens, so both run all 32 steps.
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     # A 64-token budget chunks the longer prompts and mixes prefill with decode.
-    with LLM(str(default_model), dtype="float32", device="cpu", max_num_batched_tokens=64,
-             **options) as llm:  # fmt: skip
+    with LLM(
+        str(default_model), dtype="float32", device="cpu", max_num_batched_tokens=64, **options
+    ) as llm:
         outs = llm.generate(prompts, params)
         return [o.token_ids for o in outs], llm.stats()
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import make_tiny_llama
 
 from async_engine.model import (
     LlamaModel,
     ModelConfig,
     build_model,
-    make_tiny_llama,
     resolve_model,
     rope_inv_freq,
 )
@@ -93,9 +93,10 @@ def test_resolve_rejects_unknown(tmp_path: Path, default_folder: Path) -> None:
     assert resolve_model(str(default_folder)) == default_folder
     with pytest.raises(ValueError, match="expected 'default'"):
         resolve_model("meta-llama/Llama-3-8B")
+    with pytest.raises(ValueError, match="config.json"):
+        resolve_model(str(tmp_path))  # an empty folder
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match="safetensors"):
-        resolve_model(str(tmp_path))
+    assert resolve_model(str(tmp_path)) == tmp_path.resolve()  # weights are build_model's job
 
 
 def test_conversion_is_atomic_and_cached(tmp_path: Path, monkeypatch) -> None:
@@ -336,6 +337,69 @@ def test_tiny_with_tokenizer(tmp_path: Path, default_folder: Path) -> None:
     model = build_model(str(folder), "bfloat16")
     assert model.cfg.vocab_size == len(AutoTokenizer.from_pretrained(folder)) == 49152
     assert model.cfg.eos_token_ids == [2]
+
+
+# --- dummy weights: config.json alone -------------------------------------------------------
+
+TINY_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"],  # qk-norm too: every kind of weight gets filled
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+    "eos_token_id": 0,
+}
+
+
+@pytest.fixture
+def config_only(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    return tmp_path
+
+
+def test_dummy_weights_run_a_forward(config_only: Path) -> None:
+    model = build_model(str(config_only), "float32", load_format="dummy")
+    assert torch.equal(model.layers[0].input_norm, torch.ones(32))
+    assert torch.equal(model.layers[0].qk_norm, torch.ones(6, 8))
+    std = model.embed.std().item()
+    assert 0.015 < std < 0.025 and model.embed.abs().sum() > 0
+    out = greedy(model, [[5, 6, 7, 8, 9], [10, 11]], new_tokens=4)
+    assert all(len(o) == 4 and all(0 <= t < 96 for t in o) for o in out)
+
+
+def test_dummy_weights_follow_the_seed(config_only: Path) -> None:
+    def weights(seed: int) -> dict[str, torch.Tensor]:
+        # Packed (oneDNN) weights are opaque tensors: compare them dense.
+        model = build_model(str(config_only), "float32", load_format="dummy", seed=seed)
+        return {n: p.to_dense() if p.is_mkldnn else p for n, p in model.named_parameters()}
+
+    first, again, other = weights(0), weights(0), weights(1)
+    assert first.keys() == again.keys()
+    assert all(torch.equal(first[n], again[n]) for n in first)
+    assert not torch.equal(first["embed"], other["embed"])
+
+
+def test_auto_on_a_config_only_folder_names_the_missing_weights(config_only: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors.*load_format='dummy'"):
+        build_model(str(config_only), "float32")
+
+
+def test_llm_generates_from_a_config_only_folder(config_only: Path) -> None:
+    from async_engine.core.llm import LLM
+    from sampler.params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    with LLM(model=str(config_only), load_format="dummy", device="cpu", dtype="float32",
+             device_threads=1) as llm:  # fmt: skip
+        assert llm.tokenizer is None
+        outs = llm.generate([[3, 4, 5], [7, 8, 9, 10]], params)
+    assert [len(o.token_ids) for o in outs] == [5, 5]
+    assert all(0 <= t < 96 for o in outs for t in o.token_ids)
 
 
 # --- the default model: greedy parity with HF generate() -------------------------------------

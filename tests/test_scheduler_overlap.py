@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from async_engine.request import FinishReason, Request
-from async_engine.scheduler import Scheduler, SchedulerConfig
+from async_engine.core.request import FinishReason, Request
+from async_engine.core.scheduler import Scheduler, SchedulerConfig
 from blockalloc import BlockPool
 from sampler.params import SamplingParams
-from streams.plan import PLACEHOLDER, StepPlan
+from streams.plan import StepPlan
+from streams.rows import RowState
 
 BLOCK = 4
 
@@ -27,36 +29,42 @@ def truth(rid: str, index: int) -> int:
 
 @dataclass
 class FakeDevice:
-    prompts: dict[int, tuple[str, list[int]]] = field(default_factory=dict)  # slot -> req
-    buffer: dict[int, int] = field(default_factory=dict)
-    kv: dict[int, tuple[str, int]] = field(default_factory=dict)  # kv slot -> (rid, pos)
+    """Keeps the device-side row state the real devices keep, and checks every input."""
 
-    def run(self, plan: StepPlan) -> list[int]:
-        for slot in plan.released_slots:
-            self.prompts.pop(slot, None)
-        for new in plan.new_slots:
-            self.prompts[new.slot] = (new.params.extra_rid, new.prompt_ids)
-        out, row = [], 0
-        for i, slot in enumerate(plan.slots):
-            rid, prompt = self.prompts[slot]
+    rows: RowState = field(default_factory=lambda: RowState(BLOCK, 64, rows=2))
+    prompts: dict[int, tuple[str, list[int]]] = field(default_factory=dict)  # row -> request
+    kv: dict[int, tuple[str, int]] = field(default_factory=dict)  # KV slot -> (rid, pos)
+
+    def run(self, plan: StepPlan, tables_at_launch: dict[int, list[int]]) -> np.ndarray:
+        for row in plan.released_rows.tolist():
+            self.prompts.pop(row, None)
+        for new in plan.new_rows:
+            self.prompts[new.row] = (new.params.extra_rid, new.prompt_ids)
+        self.rows.apply(plan)
+        # The incremental protocol: the device's tables equal what a full plan would carry.
+        for row, table in tables_at_launch.items():
+            assert self.rows.table(row) == table, f"row {row}: device table differs"
+        layout = self.rows.layout(plan)
+        ids = self.rows.input_ids(plan, layout.token_rows)
+        out, t = [], 0
+        for i, row in enumerate(plan.rows.tolist()):
+            rid, prompt = self.prompts[row]
             for j in range(plan.query_lens[i]):
-                pos, token = plan.positions[row + j], plan.input_ids[row + j]
-                if token == PLACEHOLDER:
-                    token = self.buffer[slot]
+                pos, token = int(layout.positions[t + j]), int(ids[t + j])
                 expected = prompt[pos] if pos < len(prompt) else truth(rid, pos - len(prompt))
                 assert token == expected, f"{rid}: position {pos} got {token}, want {expected}"
-                self.kv[plan.slot_mapping[row + j]] = (rid, pos)
+                self.kv[int(layout.kv_slots[t + j])] = (rid, pos)
             # Every position of the context must be readable from this request's blocks.
-            for pos in range(plan.context_lens[i]):
-                kv_slot = plan.block_tables[i][pos // BLOCK] * BLOCK + pos % BLOCK
+            for pos in range(int(layout.context_lens[i])):
+                kv_slot = int(layout.block_tables[i][pos // BLOCK]) * BLOCK + pos % BLOCK
                 owner = self.kv.get(kv_slot)
                 assert owner is not None and owner[1] == pos, f"{rid}: KV at {pos} is {owner}"
-            row += plan.query_lens[i]
+            t += plan.query_lens[i]
             if plan.sample[i]:
-                token = truth(rid, plan.context_lens[i] - len(prompt))
-                self.buffer[slot] = token
-                out.append(token)
-        return out
+                out.append(truth(rid, int(layout.context_lens[i]) - len(prompt)))
+        tokens = np.array(out, dtype=np.int64)
+        self.rows.record_sampled(plan, tokens)
+        return tokens
 
 
 class Params(SamplingParams):
@@ -102,19 +110,19 @@ def test_outputs_are_exact_and_every_block_returns(reqs, num_blocks, budget, ove
     for step, idx in aborts:
         abort_at.setdefault(step, []).append(idx)
 
-    inflight: list[StepPlan] = []
+    inflight: list[tuple[StepPlan, dict[int, list[int]]]] = []
     step = 0
     while sched.has_work() or inflight:
         for idx in abort_at.get(step, []):
             if idx < len(requests):
-                sched.abort(requests[idx].request_id)
+                sched.finish(requests[idx], FinishReason.ABORTED)
         plan = sched.schedule()
         if plan is not None:
-            inflight.append(plan)
+            inflight.append((plan, {r.row: list(r.block_ids) for r in plan.requests}))
         if inflight and (not overlap or len(inflight) == 2 or plan is None):
             # The device runs steps in launch order; step N runs after N+1 was planned.
-            done = inflight.pop(0)
-            sched.update_from_output(done, device.run(done))
+            done, tables = inflight.pop(0)
+            sched.update_from_output(done, device.run(done, tables))
         pool.check_invariants()
         step += 1
         assert step < 2000, "the scheduler stopped making progress"

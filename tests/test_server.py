@@ -29,7 +29,7 @@ from async_engine.client import (
     Finished,
     InvalidArgument,
 )
-from async_engine.server_app import BackgroundServer
+from async_engine.server.app import BackgroundServer
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
@@ -321,8 +321,12 @@ async def test_metrics_endpoint_shows_the_named_series_moving(
     client: AsyncClient, server: BackgroundServer
 ) -> None:
     before = await asyncio.to_thread(scrape, server)
-    await asyncio.gather(*(collect(client, p, max_tokens=6, tenant="acme", **GREEDY)
-                           for p in token_prompts(4, seed=5)))  # fmt: skip
+    await asyncio.gather(
+        *(
+            collect(client, p, max_tokens=6, tenant="acme", **GREEDY)
+            for p in token_prompts(4, seed=5)
+        )
+    )
     with pytest.raises(DeadlineExceeded):  # a cancellation, for the lag histogram
         await collect(client, [77] * 30, max_tokens=400, timeout=0.05, **GREEDY)
     await wait_until_idle(client)
@@ -343,9 +347,12 @@ async def test_metrics_endpoint_shows_the_named_series_moving(
     assert grew("async_engine:tenant_e2e_request_latency_seconds_count", tenant="acme")
     model = str(server.engine.config.model)
     for gauge in (
-        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-        "async_engine:device_idle_fraction", "async_engine:kv_fragmentation",
-    ):  # fmt: skip
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "async_engine:device_idle_fraction",
+        "async_engine:kv_fragmentation",
+    ):
         assert (gauge, (("model_name", model),)) in after, gauge
     assert ("vllm:num_preemptions_total", (("model_name", model),)) in after
     assert ("async_engine:wasted_tokens_total", (("model_name", model),)) in after
@@ -353,7 +360,7 @@ async def test_metrics_endpoint_shows_the_named_series_moving(
 
 # -------------------------------------------------------------------- CLI
 def test_cli_client_prints_one_json_line_per_message(server: BackgroundServer, capsys) -> None:
-    from async_engine.cli import main
+    from async_engine.cli.main import main
 
     argv = [
         "client",
@@ -372,7 +379,7 @@ def test_cli_client_prints_one_json_line_per_message(server: BackgroundServer, c
 
 
 def test_cli_client_reports_errors_with_their_field(server: BackgroundServer, capsys) -> None:
-    from async_engine.cli import main
+    from async_engine.cli.main import main
 
     assert main(["client", "Hello", "--target", server.address, "--top-p", "7"]) == 1
     assert "sampling.top_p" in capsys.readouterr().err

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from server_helpers import Transcript, check_stream_rules, collect, start_server
 
 from async_engine.client import AsyncClient, Chunk, Unavailable
-from async_engine.server_app import ServerOptions
+from async_engine.server.app import ServerOptions
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
@@ -26,7 +26,7 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 class ServeProcess:
     def __init__(self, model: Path, *extra: str) -> None:
         cmd = [
-            sys.executable, "-m", "async_engine.cli", "serve", "--model", str(model),
+            sys.executable, "-m", "async_engine.cli.main", "serve", "--model", str(model),
             "--dtype", "float32", "--device", "cpu", "--port", "0", "--metrics-port", "-1",
             "--num-kv-blocks", "128", "--device-threads", "1", *extra,
         ]  # fmt: skip

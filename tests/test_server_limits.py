@@ -7,6 +7,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from faults import fail_on
 from server_helpers import check_stream_rules, collect, start_server, wait_until_idle
 
 from async_engine.client import (
@@ -17,21 +18,24 @@ from async_engine.client import (
     ResourceExhausted,
     Unauthenticated,
 )
-from async_engine.server_app import BackgroundServer, ServerOptions
-from async_engine.server_codec import Limits
+from async_engine.server.app import BackgroundServer, ServerOptions
+from async_engine.server.codec import Limits
 
 TOKEN = "s3cret-token"
-POISON = 31337  # any step whose input holds this token fails (EngineConfig.fail_on_token_id)
+POISON = 31337  # any step whose input holds this token fails (see faults.fail_on)
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Path):
     options = ServerOptions(
-        port=0, metrics_port=None, auth_token=TOKEN, max_message_bytes=64 * 1024,
+        port=0,
+        metrics_port=None,
+        auth_token=TOKEN,
+        max_message_bytes=64 * 1024,
         limits=Limits(max_prompt_chars=10_000),
-    )  # fmt: skip
-    srv = start_server(tiny_model, options, max_num_seqs=1, max_waiting=1, fail_on_token_id=POISON)
+    )
+    srv = start_server(tiny_model, options, fail_on(POISON), max_num_seqs=1, max_waiting=1)
     yield srv
     srv.close()
 

@@ -1,14 +1,14 @@
 """The model layer: config parsing, the Llama-family implementation, loading and caching.
 
 Importing this package pulls in torch but never transformers or asyncio: transformers is
-imported lazily by the functions that convert GGUF files or write test models.
+imported lazily by the functions that convert GGUF files.
 """
 
 from .attention import AttentionPlan, paged_attention
 from .config import ModelConfig, RopeScaling
 from .gguf_cache import default_cache_dir
 from .llama import KVCache, LlamaModel, rope_inv_freq
-from .loader import build_model, load_model_config, make_tiny_llama, resolve_model
+from .loader import build_model, init_dummy_weights, load_model_config, resolve_model
 
 __all__ = [
     "AttentionPlan",
@@ -18,8 +18,8 @@ __all__ = [
     "RopeScaling",
     "build_model",
     "default_cache_dir",
+    "init_dummy_weights",
     "load_model_config",
-    "make_tiny_llama",
     "paged_attention",
     "resolve_model",
     "rope_inv_freq",

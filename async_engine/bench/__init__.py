@@ -1,0 +1,1 @@
+"""Benchmarks: offline throughput and online load over gRPC, with their workloads and reports."""

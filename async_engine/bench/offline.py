@@ -1,0 +1,232 @@
+"""`async-engine bench offline`: engine (overlap on/off) vs HF continuous batching vs roofline.
+
+All figures come from one run on the same model, dtype and workload, and are printed as
+ratios so that a noisy machine still gives a fair comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from async_engine.core.workload import Workload
+from sampler.params import SamplingParams
+
+if TYPE_CHECKING:
+    from async_engine.core.observer import StepObserver
+    from streams.plan import StepPlan, StepResult
+
+
+class PlanRecorder:
+    """A StepObserver keeping each completed step's plan, in launch order: the roofline's input.
+
+    It forwards to the observer it replaced, so a tracer attached before still sees every step.
+    """
+
+    def __init__(self, inner: StepObserver | None = None) -> None:
+        self.inner = inner
+        self.plans: list[StepPlan] = []
+
+    def on_phase(self, name: str, step_id: int, start: float, end: float) -> None:
+        if self.inner is not None:
+            self.inner.on_phase(name, step_id, start, end)
+
+    def on_device(self, plan: StepPlan, result: StepResult) -> None:
+        self.plans.append(plan)
+        if self.inner is not None:
+            self.inner.on_device(plan, result)
+
+
+def decode_steps(plans: list[Any]) -> set[int]:
+    """Steps where every request decodes one token: the "steady decode" of the reports."""
+    return {p.step_id for p in plans if len(p.query_lens) and p.query_lens.max() == 1}
+
+
+def run_engine(options: dict[str, Any], prompts: list[list[int]], max_tokens: int, overlap: bool,
+               roofline: bool) -> dict[str, float]:  # fmt: skip
+    from async_engine.core.llm import LLM
+    from async_engine.core.stats import DeviceTimeline, PhaseClock
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    with LLM(**{**options, "overlap": overlap}) as llm:
+        llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        engine = llm.engine
+        engine.timeline = DeviceTimeline(window=1_000_000)
+        engine.phase_clock = PhaseClock()
+        engine.observer = recorder = PlanRecorder(engine.observer)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        wall = time.perf_counter() - start
+        engine.observer, plans = recorder.inner, list(recorder.plans)  # a late step may append
+        tokens = sum(len(o.token_ids) for o in outs)
+        result = {
+            "tokens": tokens,
+            "seconds": wall,
+            "tokens_per_s": tokens / wall,
+            "steps": len(plans),
+            "idle_fraction": engine.timeline.idle_fraction(),
+            "steady_decode_idle": engine.timeline.idle_fraction(only=decode_steps(plans)),
+            "wasted_tokens": engine.scheduler.wasted_tokens,
+            # Control-plane time per step, by phase ("wait" is time blocked on the device).
+            "phase_ms_per_step": {
+                name: 1e3 * seconds / max(1, len(plans))
+                for name, seconds in engine.phase_clock.seconds.items()
+            },
+        }
+        if roofline:
+            seconds = llm._runner.run(engine.replay(plans))
+            result["roofline_seconds"] = seconds
+            result["roofline_tokens_per_s"] = tokens / seconds
+    return result
+
+
+def run_hf(folder: str, dtype: str, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+    model.eval()
+    config = GenerationConfig(
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        eos_token_id=-1,
+        pad_token_id=0,
+    )
+    model.generate_batch(inputs=[prompts[0][:16]], generation_config=config, progress_bar=False)
+    start = time.perf_counter()
+    outs = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.generated_tokens) for o in outs.values())
+    return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall}
+
+
+def _mean(runs: list[dict[str, float]], key: str) -> float:
+    return sum(r[key] for r in runs) / len(runs)
+
+
+def compare_modes(
+    options: dict[str, Any], prompts: list[list[int]], max_tokens: int, rounds: int
+) -> dict[str, Any]:
+    """Overlap on and off, interleaved round by round so that drift hits both alike."""
+    on: list[dict[str, float]] = []
+    off: list[dict[str, float]] = []
+    for i in range(rounds):
+        on.append(run_engine(options, prompts, max_tokens, overlap=True, roofline=i == 0))
+        off.append(run_engine(options, prompts, max_tokens, overlap=False, roofline=False))
+    return {
+        "on_tokens_per_s": _mean(on, "tokens_per_s"),
+        "off_tokens_per_s": _mean(off, "tokens_per_s"),
+        "roofline_tokens_per_s": on[0]["roofline_tokens_per_s"],
+        "on_steady_decode_idle": _mean(on, "steady_decode_idle"),
+        "off_steady_decode_idle": _mean(off, "steady_decode_idle"),
+        "on_wasted_tokens": on[0]["wasted_tokens"],
+        "on_idle": _mean(on, "idle_fraction"),
+        "off_idle": _mean(off, "idle_fraction"),
+        "on_ms_per_step": _mean(on, "seconds") * 1e3 / on[0]["steps"],
+        "off_ms_per_step": _mean(off, "seconds") * 1e3 / off[0]["steps"],
+        "on_phase_ms": on[0]["phase_ms_per_step"],
+        "off_phase_ms": off[0]["phase_ms_per_step"],
+        "runs_on": on,
+        "runs_off": off,
+    }
+
+
+def cmd_offline(args: argparse.Namespace) -> int:
+    import os
+
+    from async_engine.cli.options import engine_options
+    from async_engine.core.config import EngineConfig
+    from async_engine.model import load_model_config, resolve_model
+
+    options = engine_options(args)
+    options.pop("overlap")
+    config = EngineConfig(**options)
+    dtype = config.resolved_dtype()
+    options["dtype"] = dtype
+    folder = resolve_model(config.model)
+    vocab = load_model_config(folder).vocab_size
+    work = Workload(
+        args.requests, args.min_prompt, args.max_prompt, args.max_tokens, args.workload_seed
+    )
+    prompts = work.prompts(vocab)
+    print(
+        f"workload: {work.num_requests} requests, prompts {work.min_prompt}..{work.max_prompt} "
+        f"tokens, {work.max_tokens} new tokens each, greedy, ignore_eos; dtype {dtype}; "
+        f"{args.rounds} interleaved rounds per mode"
+    )
+    results: dict[str, Any] = {}
+    simulated = config.resolved_device() == "sim"
+    if simulated:  # no weights run: the roofline is the cost model's device-bound ideal
+        results["sim"] = compare_modes(options, prompts, work.max_tokens, args.rounds)
+    else:
+        cores = os.cpu_count() or 1
+        thread_counts = [config.resolved_device_threads()]
+        if args.device_threads is None and cores not in thread_counts:
+            thread_counts.append(cores)  # also show the device with every core
+        for threads in thread_counts:
+            results[f"device_threads={threads}"] = compare_modes(
+                {**options, "device_threads": threads}, prompts, work.max_tokens, args.rounds
+            )
+    hf = None
+    if not (args.skip_hf or simulated):
+        hf = run_hf(str(folder), dtype, prompts, work.max_tokens)
+    print_table(results, hf, roofline="device-bound ideal" if simulated else "roofline")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"engine": results, "hf": hf}, f, indent=2)
+    return 0
+
+
+def print_table(
+    results: dict[str, Any], hf: dict[str, float] | None, roofline: str = "roofline"
+) -> None:
+    cols = list(results)
+    width = max(24, *(len(c) + 2 for c in cols))
+    print(f"{'':<28}" + "".join(f"{c:>{width}}" for c in cols))
+
+    def row(name: str, fmt: str, values: list[float]) -> None:
+        print(f"{name:<28}" + "".join(f"{format(v, fmt):>{width}}" for v in values))
+
+    get = [results[c] for c in cols]
+    row("tokens/s, overlap on", ".1f", [r["on_tokens_per_s"] for r in get])
+    row("tokens/s, overlap off", ".1f", [r["off_tokens_per_s"] for r in get])
+    row(f"tokens/s, {roofline}", ".1f", [r["roofline_tokens_per_s"] for r in get])
+    row("overlap on / off", ".2f", [r["on_tokens_per_s"] / r["off_tokens_per_s"] for r in get])
+    row(
+        f"overlap on / {roofline}",
+        ".1%",
+        [r["on_tokens_per_s"] / r["roofline_tokens_per_s"] for r in get],
+    )
+    if hf is not None:
+        row("overlap on / HF", ".2f", [r["on_tokens_per_s"] / hf["tokens_per_s"] for r in get])
+    row("steady-decode idle, on", ".2%", [r["on_steady_decode_idle"] for r in get])
+    row("steady-decode idle, off", ".2%", [r["off_steady_decode_idle"] for r in get])
+    row("device idle, on", ".2%", [r["on_idle"] for r in get])
+    row("device idle, off", ".2%", [r["off_idle"] for r in get])
+    row("ms per step, on", ".3f", [r["on_ms_per_step"] for r in get])
+    row("ms per step, off", ".3f", [r["off_ms_per_step"] for r in get])
+    row(
+        "overlap off costs ms/step",
+        ".3f",
+        [r["off_ms_per_step"] - r["on_ms_per_step"] for r in get],
+    )
+    for mode in ("on", "off"):
+        for phase in ("schedule", "launch", "wait", "apply", "stream"):
+            values = [r[f"{mode}_phase_ms"].get(phase, 0.0) for r in get]
+            row(f"  {phase} ms/step, {mode}", ".3f", values)
+    row("wasted tokens, on", "d", [r["on_wasted_tokens"] for r in get])
+    if hf is not None:
+        print(f"HF transformers generate_batch: {hf['tokens_per_s']:.1f} tokens/s")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--min-prompt", type=int, default=20)
+    p.add_argument("--max-prompt", type=int, default=300)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--workload-seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved runs per mode")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--json", default=None, help="write the figures to this file")

@@ -1,0 +1,1 @@
+"""The ``async-engine`` command line: one module per subcommand, ``main`` dispatches."""

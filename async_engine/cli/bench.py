@@ -1,0 +1,23 @@
+"""`async-engine bench offline|serve`: benchmarks, not tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from async_engine.bench import offline, serve
+from async_engine.cli.options import add_engine_args
+
+
+def add_parser(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (not tests)")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    p = kinds.add_parser("offline", help="throughput vs HF, overlap on/off, roofline")
+    add_engine_args(p)
+    offline.add_arguments(p)
+    p.set_defaults(func=offline.cmd_offline)
+    p = kinds.add_parser(
+        "serve", help="online load over gRPC: latency percentiles, goodput, capacity"
+    )
+    add_engine_args(p)
+    serve.add_arguments(p)
+    p.set_defaults(func=serve.cmd_serve_bench)

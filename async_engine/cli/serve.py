@@ -1,0 +1,109 @@
+"""`async-engine serve`: the gRPC server on uvloop, drained on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+from typing import Any
+
+from async_engine.cli.options import add_engine_args, engine_options
+
+AUTH_ENV = "ASYNC_ENGINE_AUTH_TOKEN"
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="serve the model over gRPC (async_engine.v1.Generation)")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    p.add_argument(
+        "--metrics-port", type=int, default=9400, help="Prometheus /metrics port (-1: off)"
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get on SIGTERM",
+    )
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
+    p.add_argument(
+        "--auth-token",
+        default=None,
+        help=f"require 'authorization: Bearer <token>' (default: ${AUTH_ENV})",
+    )
+    p.add_argument("--max-message-bytes", type=int, default=4 << 20)
+    p.add_argument("--max-prompt-chars", type=int, default=1 << 20)
+    p.add_argument(
+        "--profile-dir",
+        default=None,
+        help="enable on-demand step captures into DIR: `kill -USR2 <pid>` or "
+        "`touch DIR/capture-now` traces the next 200 steps",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from async_engine.core.engine import AsyncEngine
+    from async_engine.server.app import ServerOptions
+    from async_engine.server.codec import Limits
+    from async_engine.server.logs import configure_logging
+
+    configure_logging(args.log_level)
+    token = args.auth_token if args.auth_token is not None else os.environ.get(AUTH_ENV) or None
+    options = ServerOptions(
+        host=args.host,
+        port=args.port,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        drain_timeout_s=args.drain_timeout,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        auth_token=token,
+        max_message_bytes=args.max_message_bytes,
+        limits=Limits(max_prompt_chars=args.max_prompt_chars),
+    )
+    # The engine starts its device process before the loop exists (construction blocks).
+    engine = AsyncEngine(**engine_options(args))
+    if args.profile_dir:
+        attach_profiler(engine, args.profile_dir)  # before the loop: signals need the main thread
+    try:
+        uvloop.run(_serve(engine, options))
+    finally:
+        engine.close()
+    return 0
+
+
+async def _serve(engine: Any, options: Any) -> None:
+    import structlog
+
+    from async_engine.server.app import GenerationServer
+
+    log = structlog.get_logger("async_engine.server.service")
+    server = GenerationServer(engine, options)
+    signals: asyncio.Queue[int] = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
+    await server.start()
+    received = await signals.get()
+    log.info("server.signal", signal=signal.Signals(received).name, action="drain")
+    drain = asyncio.create_task(server.drain())
+    second = asyncio.create_task(signals.get())
+    # A second signal cuts the drain short: requests still in flight are aborted.
+    await asyncio.wait((drain, second), return_when=asyncio.FIRST_COMPLETED)
+    for task in (drain, second):
+        task.cancel()
+    await server.stop(grace_s=0.5)
+    await engine.aclose()
+
+
+def attach_profiler(engine: Any, out_dir: str) -> Any:
+    """Entry points inject the profiler's on-demand capture; the engine never imports it."""
+    from profiling.capture import attach
+
+    return attach(engine, out_dir)

@@ -1,0 +1,104 @@
+"""Engine settings. Every limit a user can set lives here, validated once.
+
+Each field's ``help`` metadata is what the command line shows: the CLI generates its engine
+flags from these fields, so a default is written in one place only.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from streams.sim import PRESETS as SIM_PRESETS
+
+
+def default_device() -> str:
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        return "cpu"
+
+
+def cpu_has_fast_bf16() -> bool:
+    """bfloat16 matmuls are fast where the CPU has AVX512-BF16 or AMX; float32 elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda", "sim")
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def _opt(default: object, help: str, choices: tuple[str, ...] | None = None) -> object:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = _opt("default", "default | HF folder | .gguf file")
+    dtype: str = _opt("auto", "weights and activations (auto: bfloat16 where fast)", DTYPES)
+    device: str = _opt("auto", "where steps run (sim: a modelled device, no weights)", DEVICES)
+    load_format: str = _opt("auto", "dummy: random weights from config.json alone", LOAD_FORMATS)
+    overlap: bool = _opt(True, "plan step N+1 while step N runs (off: the synchronous twin)")
+    block_size: int = _opt(16, "tokens per KV block")
+    num_kv_blocks: int | None = _opt(None, "KV pool size (default: from max seqs and length)")
+    max_num_seqs: int = _opt(64, "requests running at once")
+    max_num_batched_tokens: int = _opt(512, "per-step token budget (chunked prefill)")
+    max_model_len: int | None = _opt(None, "context limit (default: the model's)")
+    max_waiting: int = _opt(4096, "queue limit; past it, submissions are refused")
+    enable_prefix_cache: bool = _opt(True, "share KV blocks of identical prompt prefixes")
+    device_threads: int | None = _opt(None, "CPU device torch threads (default: cores - 1)")
+    freeze_gc: bool = _opt(True, "move objects alive at start out of the garbage collector's walks")
+    seed: int = _opt(0, "seed of dummy weights and of the simulated device's tokens")
+    sim_preset: str | None = _opt(None, "sim device cost model preset (see streams/sim)")
+    sim_step_ms: float | None = _opt(None, "sim device: fixed cost per step, ms")
+    sim_token_us: float | None = _opt(None, "sim device: cost per computed token, us")
+    sim_seq_us: float | None = _opt(None, "sim device: cost per sequence in the step, us")
+    sim_ctx_ns: float | None = _opt(None, "sim device: cost per context token read, ns")
+
+    def __post_init__(self) -> None:
+        for name, allowed in (
+            ("dtype", DTYPES),
+            ("device", DEVICES),
+            ("load_format", LOAD_FORMATS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be {'|'.join(allowed)}, got {getattr(self, name)!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.sim_preset is not None and self.sim_preset not in SIM_PRESETS:
+            raise ValueError(
+                f"sim_preset must be one of {', '.join(SIM_PRESETS)}, got {self.sim_preset!r}"
+            )
+        for name in ("sim_step_ms", "sim_token_us", "sim_seq_us", "sim_ctx_ns"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int | float) and 0 <= value < 1e9):
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+
+    def resolved_device(self) -> str:
+        return default_device() if self.device == "auto" else self.device
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        if self.resolved_device() in ("cuda", "sim"):
+            return "bfloat16"
+        return "bfloat16" if cpu_has_fast_bf16() else "float32"
+
+    def resolved_device_threads(self) -> int:
+        if self.device_threads is not None:
+            return max(1, self.device_threads)
+        return max(1, (os.cpu_count() or 2) - 1)

@@ -1,0 +1,354 @@
+"""AsyncEngine: the control plane. One ``overlap_loop`` and its synchronous twin ``normal_loop``.
+
+overlap_loop, per iteration:
+    plan[N+1] = schedule()            # CPU work while step N runs on the device
+    launch(plan[N+1])                 # enqueue; returns at once
+    await out[N]                      # the device's completion fd wakes the event loop
+    apply(plan[N], out[N])            # stops, frees, stream deltas out
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import gc
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import structlog
+
+from async_engine.core.config import EngineConfig
+from async_engine.core.handoff import DeviceLink
+from async_engine.core.inputs import (
+    DuplicateRequestError,
+    InputBuilder,
+    InputLimits,
+    QueueFullError,
+)
+from async_engine.core.observer import StepObserver
+from async_engine.core.output import OutputProcessor, RequestDelta, request_timings
+from async_engine.core.request import FinishReason, Request
+from async_engine.core.scheduler import Scheduler, SchedulerConfig
+from async_engine.core.stats import DeviceTimeline, EngineStats, PhaseClock
+from async_engine.core.tokenizer import Tokenizer
+from async_engine.model import build_model, load_model_config, resolve_model
+from blockalloc import BlockPool
+from sampler.params import SamplingParams
+from streams.device import Device, DeviceSpec
+from streams.factory import create_device, model_spec, sim_spec
+from streams.plan import StepPlan, StepResult
+from streams.sim import cost_model
+
+log = structlog.get_logger("async_engine")
+
+
+class EngineClosedError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        device_wrapper: Callable[[Device], Device] | None = None,
+        **overrides: Any,
+    ) -> None:
+        self.config = config = config or EngineConfig(**overrides)
+        self.model_path = folder = resolve_model(config.model)
+        self.model_config = mc = load_model_config(folder)
+        has_tokenizer = any((folder / n).exists() for n in ("tokenizer.json", "tokenizer.model"))
+        self.tokenizer = Tokenizer(folder) if has_tokenizer else None
+        self.dtype = config.resolved_dtype()
+        self.device_kind = config.resolved_device()
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)  # fmt: skip
+        num_blocks = config.num_kv_blocks or self._default_num_blocks()
+        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_cache)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                            self.max_model_len, config.block_size),
+            self.pool,
+        )  # fmt: skip
+        eos = tuple(mc.eos_token_ids)
+        self.inputs = InputBuilder(
+            InputLimits(mc.vocab_size, self.max_model_len, num_blocks, config.block_size, eos),
+            self.tokenizer,
+        )
+        self.device = create_device(self._device_spec(num_blocks))
+        if device_wrapper is not None:  # tests inject faults here; the engine never does
+            self.device = device_wrapper(self.device)
+        self.timeline = DeviceTimeline()
+        self.phase_clock = PhaseClock()
+        self._outputs: dict[str, OutputProcessor] = {}  # per request, until released
+        self.link = DeviceLink(self.device, self._on_step_done)
+        self._timed: list[Request] = []  # requests with a queue or time limit
+        self.observer: StepObserver | None = None  # a profiler's hooks, injected
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self._closed = False
+        self.fatal_error: BaseException | None = None
+
+    def _device_spec(self, num_blocks: int) -> DeviceSpec:
+        config, bs = self.config, self.config.block_size
+        max_blocks_per_row = -(-self.max_model_len // bs)
+        if self.device_kind == "sim":
+            cost = cost_model(config.sim_preset, config.sim_step_ms, config.sim_token_us,
+                              config.sim_seq_us, config.sim_ctx_ns)  # fmt: skip
+            mc = self.model_config
+            return sim_spec(cost, mc.vocab_size, tuple(mc.eos_token_ids), bs, max_blocks_per_row)
+        model = functools.partial(build_model, str(self.model_path), self.dtype, self.device_kind,
+                                  load_format=config.load_format, seed=config.seed)  # fmt: skip
+        return model_spec(self.device_kind, model, num_blocks, bs, max_blocks_per_row,
+                          config.resolved_device_threads())  # fmt: skip
+
+    def _default_num_blocks(self) -> int:
+        mc, bs = self.model_config, self.config.block_size
+        itemsize = 4 if self.dtype == "float32" else 2
+        block_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * bs * itemsize
+        # A simulated device holds no KV cache: size its pool like a GPU's.
+        budget = (1 << 30) if self.device_kind == "cpu" else (16 << 30)
+        wanted = self.config.max_num_seqs * -(-self.max_model_len // bs)
+        return max(16, min(wanted, budget // block_bytes))
+
+    # ------------------------------------------------------------ public API
+    async def generate(
+        self,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        **options: Any,
+    ) -> AsyncIterator[RequestDelta]:
+        """Stream a request's output. Leaving the loop early (or being cancelled) aborts it."""
+        req = self.add_request(prompt, params, request_id, **options)
+        try:
+            async for delta in self.stream(req):
+                yield delta
+        finally:
+            self.release(req)
+
+    async def stream(self, req: Request) -> AsyncIterator[RequestDelta]:
+        """Deltas of a queued request, until its final one; pair with ``release``."""
+        stream = self._outputs[req.request_id].stream
+        while True:
+            delta = await stream.get()
+            yield delta
+            if delta.finished:
+                return
+
+    def release(self, req: Request) -> None:
+        """The consumer is gone: abort the request if it still runs and drop its stream."""
+        if not req.finished:
+            self.abort_now(req.request_id)
+        self._outputs.pop(req.request_id, None)
+
+    def add_request(
+        self,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        detokenize: bool = True,
+        stream: bool = True,
+        **options: Any,
+    ) -> Request:
+        """Validate and queue a request (call from the event loop's thread)."""
+        self._ensure_started()
+        if request_id and (request_id in self._outputs or request_id in self.scheduler.requests):
+            # An ended request keeps its id until its last launched step has completed.
+            raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
+        req = self.inputs.build(prompt, params, request_id=request_id, **options)
+        if self.scheduler.num_waiting >= self.config.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        self._outputs[req.request_id] = OutputProcessor(
+            req, self.tokenizer, detokenize, final_only=not stream
+        )
+        self.scheduler.add_request(req)
+        if req.queue_deadline is not None or req.time_deadline is not None:
+            self._timed.append(req)
+        assert self._wake is not None
+        self._wake.set()
+        return req
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request at the next step boundary; False if unknown or already finished."""
+        return self.abort_now(request_id)
+
+    def abort_now(self, request_id: str, reason: FinishReason = FinishReason.ABORTED) -> bool:
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        req.abort_time = time.monotonic()
+        self.scheduler.finish(req, reason)
+        self._emit(req)
+        return True
+
+    async def replay(self, plans: list[StepPlan]) -> float:
+        """Run recorded plans back to back on the device (the roofline); seconds taken."""
+        self._ensure_started()
+        return await self.link.replay(plans)
+
+    def stats(self) -> EngineStats:
+        return EngineStats.collect(self)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._shutdown()
+
+    def close(self) -> None:
+        """Close from outside the event loop (or after it stopped)."""
+        self._closed = True
+        if self._task is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._task.cancel)
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        self.link.detach()
+        self.device.close()
+
+    # ------------------------------------------------------------- the loops
+    def _ensure_started(self) -> None:
+        if self._closed:
+            raise EngineClosedError("engine is closed")
+        if self.fatal_error is not None:
+            raise EngineClosedError(f"engine stopped: {self.fatal_error}")
+        if self._task is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self.link.attach(self._loop)
+        loop_fn = self.overlap_loop if self.config.overlap else self.normal_loop
+        if self.config.freeze_gc:
+            # Everything alive now (torch, transformers, the tokenizer: ~300k objects) stays
+            # alive; a full collection walks them all (~200 ms), and the hot loop's
+            # allocations trigger one every few seconds. Frozen, they are never walked.
+            gc.collect()
+            gc.freeze()
+        self._task = self._loop.create_task(self._run(loop_fn), name="async-engine-loop")
+
+    async def _run(self, loop_fn: Any) -> None:
+        try:
+            await loop_fn()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # the device died: fail every request, refuse new ones
+            self.fatal_error = exc
+            for req in list(self.scheduler.requests.values()):
+                self.abort_now(req.request_id, FinishReason.ERROR)
+            raise
+
+    async def overlap_loop(self) -> None:
+        inflight: tuple[StepPlan, asyncio.Future] | None = None
+        while True:
+            plan = self._schedule()
+            launched = self._launch(plan) if plan is not None else None
+            if inflight is not None:
+                self._apply(inflight[0], await self._wait(*inflight))
+            inflight = launched
+            if inflight is None:
+                await self._wait_for_work()
+
+    async def normal_loop(self) -> None:
+        while True:
+            plan = self._schedule()
+            if plan is None:
+                await self._wait_for_work()
+                continue
+            launched = self._launch(plan)
+            self._apply(plan, await self._wait(*launched))
+
+    def _schedule(self) -> StepPlan | None:
+        start = time.monotonic()
+        if self._timed:
+            self._expire(start)
+        plan = self.scheduler.schedule()
+        if plan is not None:
+            self._phase("schedule", plan.step_id, start, time.monotonic())
+        return plan
+
+    def _expire(self, now: float) -> None:
+        """End requests past their limits; runs at step boundaries, like aborts."""
+        keep = []
+        for req in self._timed:
+            if req.finished:
+                continue
+            if req.queue_deadline is not None and req.scheduled_time is None:
+                if now >= req.queue_deadline:
+                    self.abort_now(req.request_id, FinishReason.QUEUE_TIMEOUT)
+                    continue
+            if req.time_deadline is not None and now >= req.time_deadline:
+                self.abort_now(req.request_id, FinishReason.TIME_LIMIT)
+                continue
+            keep.append(req)
+        self._timed = keep
+
+    async def _wait(self, plan: StepPlan, future: asyncio.Future) -> StepResult:
+        start = time.monotonic()
+        result = await self.link.result(future)
+        self._phase("wait", plan.step_id, start, time.monotonic())
+        return result
+
+    async def _wait_for_work(self) -> None:
+        assert self._wake is not None
+        if self.scheduler.has_work() or self._timed:
+            await asyncio.sleep(0.001)  # e.g. blocks of an ended request arrive next step
+            return
+        self._wake.clear()
+        await self._wake.wait()
+        self.timeline.mark_idle_engine()
+
+    def _launch(self, plan: StepPlan) -> tuple[StepPlan, asyncio.Future]:
+        start = time.monotonic()
+        self.timeline.on_launch(plan.step_id, start)
+        future = self.link.launch(plan)
+        self._phase("launch", plan.step_id, start, time.monotonic())
+        return plan, future
+
+    def _on_step_done(self, plan: StepPlan, result: StepResult) -> None:
+        self.timeline.on_result(result)
+        if self.observer is not None:
+            self.observer.on_device(plan, result)
+
+    def _apply(self, plan: StepPlan, result: StepResult) -> None:
+        start = time.monotonic()
+        if result.error is not None:
+            log.warning("step_failed", step=plan.step_id, error=result.error,
+                        requests=plan.batch_size)  # fmt: skip
+            touched = self.scheduler.fail_step(plan)
+        else:
+            touched = self.scheduler.update_from_output(
+                plan, result.tokens, result.logprobs, result.top_logprobs
+            )
+        applied = time.monotonic()
+        for req in touched:
+            self._emit(req)
+        self._phase("apply", plan.step_id, start, applied)
+        self._phase("stream", plan.step_id, applied, time.monotonic())
+
+    def _phase(self, name: str, step_id: int, start: float, end: float) -> None:
+        self.phase_clock.add(name, end - start)
+        if self.observer is not None:
+            self.observer.on_phase(name, step_id, start, end)
+
+    def _emit(self, req: Request) -> None:
+        processor = self._outputs.get(req.request_id)
+        if processor is None or (processor.quiet_until_finished and not req.finished):
+            return
+        delta, matched = processor.process()
+        if matched is not None and not req.finished:
+            self.scheduler.finish(req, FinishReason.STOP, stop_reason=matched)
+        if delta is None:
+            return
+        if req.finished:
+            delta.finished = True
+            delta.finish_reason = req.finish_reason
+            delta.stop_reason = req.stop_reason
+            delta.timings = request_timings(req)
+        processor.stream.put(delta)

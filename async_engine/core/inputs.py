@@ -1,0 +1,132 @@
+"""Turn what a caller submits into a validated Request, or raise ValueError naming the field."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from async_engine.core.request import Request
+from async_engine.core.tokenizer import Tokenizer
+from sampler.params import SamplingParams
+
+
+class DuplicateRequestError(ValueError):
+    """request_id is already in flight."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its limit; try again later."""
+
+
+@dataclass(slots=True)
+class InputLimits:
+    vocab_size: int
+    max_model_len: int
+    max_prompt_blocks: int  # the whole KV pool: a prompt larger than it can never run
+    block_size: int
+    eos_ids: tuple[int, ...]
+
+
+class InputBuilder:
+    def __init__(self, limits: InputLimits, tokenizer: Tokenizer | None) -> None:
+        self.limits = limits
+        self.tokenizer = tokenizer
+        self._arrivals = itertools.count()
+
+    def build(
+        self,
+        prompt: str | list[int] | None,
+        params: SamplingParams | None,
+        *,
+        request_id: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        priority: int = 0,
+        tenant: str = "",
+        truncate_prompt: bool = False,
+        max_queue_ms: int | None = None,
+        time_limit_ms: int | None = None,
+    ) -> Request:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        ids = self._prompt_ids(prompt, messages)
+        ids = self._fit_context(ids, params, truncate_prompt)
+        for t in params.stop_token_ids:
+            if t >= self.limits.vocab_size:
+                raise ValueError(f"stop_token_ids: {t} is outside the vocabulary")
+        rid = request_id if request_id else uuid.uuid4().hex
+        if not isinstance(rid, str):
+            raise ValueError(f"request_id must be a string, got {type(rid).__name__}")
+        for name, value in (("max_queue_ms", max_queue_ms), ("time_limit_ms", time_limit_ms)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        req = Request(
+            rid,
+            ids,
+            params,
+            eos_ids=self.limits.eos_ids,
+            priority=priority,
+            tenant=tenant,
+            arrival_seq=next(self._arrivals),
+        )
+        if max_queue_ms is not None:
+            req.queue_deadline = req.arrival_time + max_queue_ms / 1000
+        if time_limit_ms is not None:
+            req.time_deadline = req.arrival_time + time_limit_ms / 1000
+        return req
+
+    def _prompt_ids(self, prompt: Any, messages: list[dict[str, Any]] | None) -> list[int]:
+        if messages is not None:
+            if prompt is not None:
+                raise ValueError("prompt: give either a prompt or messages, not both")
+            if not isinstance(messages, list) or not messages:
+                raise ValueError("messages must be a non-empty list")
+            return self._need_tokenizer("messages").apply_chat_template(messages)
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            ids = self._need_tokenizer("prompt").encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {prompt!r:.80}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.limits.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt: token id {t!r} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def _fit_context(self, ids: list[int], params: SamplingParams, truncate: bool) -> list[int]:
+        limit = self.limits.max_model_len
+        room = limit - (params.max_tokens or 1)
+        if len(ids) > room:
+            if not truncate or room < 1:
+                raise ValueError(
+                    f"max_tokens: prompt ({len(ids)} tokens) plus max_tokens "
+                    f"({params.max_tokens}) exceeds the context length {limit}"
+                )
+            ids = ids[-room:]  # keep the end, where the question usually is
+        # A request must fit the whole KV pool on its own at its longest, or it could be
+        # preempted forever; without max_tokens it may grow to the context length.
+        capacity = self.limits.max_prompt_blocks * self.limits.block_size
+        longest = len(ids) + params.max_tokens if params.max_tokens is not None else limit
+        if longest > capacity:
+            raise ValueError(
+                f"max_tokens: prompt ({len(ids)} tokens) plus max_tokens "
+                f"({params.max_tokens}) cannot fit the KV cache ({capacity} tokens); "
+                "lower max_tokens or raise num_kv_blocks"
+            )
+        return ids
+
+    def _need_tokenizer(self, field: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError(f"{field}: this model has no tokenizer; pass token ids")
+        return self.tokenizer

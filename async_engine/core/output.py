@@ -1,0 +1,154 @@
+"""What a request's consumer receives, and how deltas queue up for slow readers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from async_engine.core.request import FinishReason, Request
+from async_engine.core.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """New output of one request since the previous delta it yielded.
+
+    ``offset`` is the output position of ``token_ids[0]``; a consumer that concatenates
+    deltas in order gets every token exactly once.
+    """
+
+    request_id: str
+    offset: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def merge(self, later: RequestDelta) -> None:
+        """Append a later delta to this one (a slow reader gets one larger chunk)."""
+        self.token_ids.extend(later.token_ids)
+        self.text += later.text
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        if later.top_logprobs is not None:
+            self.top_logprobs = (self.top_logprobs or []) + later.top_logprobs
+        self.finished = later.finished
+        self.finish_reason = later.finish_reason
+        self.stop_reason = later.stop_reason
+        self.timings = later.timings or self.timings
+
+
+class RequestStream:
+    """A request's pending output: the engine never waits for the reader.
+
+    ``final_only`` wakes the reader once, at the end, with everything merged: an offline
+    caller that wants whole results should not cost the control plane a wake-up per token.
+    """
+
+    def __init__(self, final_only: bool = False) -> None:
+        self._pending: RequestDelta | None = None
+        self._ready = asyncio.Event()
+        self._final_only = final_only
+
+    def put(self, delta: RequestDelta) -> None:
+        if self._pending is None:
+            self._pending = delta
+        else:
+            self._pending.merge(delta)
+        if delta.finished or not self._final_only:
+            self._ready.set()
+
+    async def get(self) -> RequestDelta:
+        await self._ready.wait()
+        self._ready.clear()
+        delta, self._pending = self._pending, None
+        assert delta is not None  # the event is set only together with a pending delta
+        return delta
+
+
+class OutputProcessor:
+    """Per request: detokenize new tokens, match stop strings, hold back a possible match."""
+
+    def __init__(
+        self, req: Request, tokenizer: Tokenizer | None, detokenize: bool, final_only: bool
+    ) -> None:
+        self.req = req
+        self.stream = RequestStream(final_only)
+        params = req.params
+        self.detok = None
+        if tokenizer is not None and detokenize:
+            self.detok = IncrementalDetokenizer(
+                tokenizer, req.prompt_ids, params.skip_special_tokens
+            )
+        self.stops: tuple[str, ...] = tuple(params.stop) if self.detok is not None else ()
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        # Nothing to do before the end: no reader per token, no stop string to look for.
+        self.quiet_until_finished = final_only and not self.stops
+        self.text = ""
+        self.num_emitted_tokens = 0
+        self.num_emitted_chars = 0
+
+    def process(self) -> tuple[RequestDelta | None, str | None]:
+        """Build the delta for tokens not yet emitted; also returns a stop string that matched."""
+        req = self.req
+        new_ids = req.output_ids[self.num_emitted_tokens :]
+        matched = None
+        if new_ids and self.detok is not None:
+            before = len(self.text)
+            self.text += self.detok.push(new_ids)
+            matched = self._match_stop(before)
+        finished = req.finished or matched is not None
+        if not new_ids and not finished:
+            return None, None
+        end = (
+            len(self.text) if finished else max(self.num_emitted_chars, len(self.text) - self.hold)
+        )
+        delta = RequestDelta(
+            request_id=req.request_id,
+            offset=self.num_emitted_tokens,
+            token_ids=list(new_ids),
+            text=self.text[self.num_emitted_chars : end],
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+        if req.params.logprobs is not None:
+            delta.logprobs = req.output_logprobs[self.num_emitted_tokens :]
+            if req.params.logprobs > 0:
+                delta.top_logprobs = req.output_top_logprobs[self.num_emitted_tokens :]
+        self.num_emitted_tokens = len(req.output_ids)
+        self.num_emitted_chars = end
+        return delta, matched
+
+    def _match_stop(self, before: int) -> str | None:
+        if not self.stops:
+            return None
+        start = max(0, before - self.hold)
+        best: tuple[int, str] | None = None
+        for stop in self.stops:
+            at = self.text.find(stop, start)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is None:
+            return None
+        at, stop = best
+        keep = at + len(stop) if self.req.params.include_stop_str_in_output else at
+        self.text = self.text[:keep]
+        return stop
+
+
+def request_timings(req: Request) -> dict[str, float]:
+    """Queue time, time to first token and end-to-end latency, in seconds."""
+    end = req.finished_time or time.monotonic()
+    out = {"e2e_s": end - req.arrival_time}
+    if req.scheduled_time is not None:
+        out["queue_s"] = req.scheduled_time - req.arrival_time
+    if req.first_token_time is not None:
+        out["ttft_s"] = req.first_token_time - req.arrival_time
+    return out

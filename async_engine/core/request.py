@@ -1,0 +1,150 @@
+"""Per-request state the scheduler plans with: plain ints and lists, no torch."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    EOS = "eos"
+    STOP = "stop"  # a stop token id or stop string
+    LENGTH = "length"  # max_tokens reached
+    CONTEXT_LENGTH = "context_length"  # the model's context is full
+    ABORTED = "aborted"
+    TIME_LIMIT = "time_limit"
+    ERROR = "error"  # the step that carried the request failed
+    QUEUE_TIMEOUT = "queue_timeout"  # not admitted within max_queue_ms
+
+    @property
+    def simple(self) -> str:
+        """The offline API's three-way reason: "stop" | "length" | "abort" (or "error")."""
+        return _SIMPLE[self]
+
+
+_SIMPLE = {
+    FinishReason.EOS: "stop",
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.CONTEXT_LENGTH: "length",
+    FinishReason.ABORTED: "abort",
+    FinishReason.TIME_LIMIT: "abort",
+    FinishReason.ERROR: "error",
+    FinishReason.QUEUE_TIMEOUT: "abort",
+}
+
+
+class Request:
+    """One sequence being generated.
+
+    ``num_computed_tokens`` counts tokens whose KV was written by a launched step, and
+    ``num_inflight`` the tokens sampled by launched steps whose outputs were not applied
+    yet; a request has ``num_tokens + num_inflight - num_computed_tokens`` tokens to feed.
+    ``num_tokens`` (prompt plus output) is kept as a counter, not recomputed, because the
+    scheduler reads it for every request on every step; ``add_output`` keeps it true.
+    """
+
+    __slots__ = (
+        "request_id", "prompt_ids", "output_ids", "output_logprobs", "output_top_logprobs",
+        "params", "eos_ids", "stop_ids", "priority", "tenant", "arrival_seq", "status",
+        "num_tokens", "token_limit", "num_computed_tokens", "num_inflight", "num_cached_tokens", "block_ids",
+        "block_hashes", "row", "num_sent_blocks", "table_reset", "last_launched_step",
+        "num_preemptions", "finish_reason", "stop_reason", "arrival_time", "scheduled_time",
+        "first_token_time", "finished_time", "token_times", "abort_time", "released_time",
+        "queue_deadline", "time_deadline",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: Any,
+        *,
+        eos_ids: tuple[int, ...] = (),
+        priority: int = 0,
+        tenant: str = "",
+        arrival: float | None = None,
+        arrival_seq: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.output_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []
+        self.params = params
+        self.eos_ids = eos_ids
+        # Token ids that end the request once min_tokens are out: stop ids, plus EOS.
+        stop = set(getattr(params, "stop_token_ids", ()))
+        self.stop_ids = frozenset(
+            stop if getattr(params, "ignore_eos", False) else stop | set(eos_ids)
+        )
+        self.priority = priority
+        self.tenant = tenant
+        self.arrival_seq = arrival_seq
+        self.status = RequestStatus.WAITING
+        self.num_tokens = len(prompt_ids)
+        # Where the request ends for length: prompt + max_tokens, capped by the context.
+        self.token_limit = len(prompt_ids) + (getattr(params, "max_tokens", None) or 1 << 62)
+        self.num_computed_tokens = 0
+        self.num_inflight = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []
+        self.row: int | None = None  # its place on the device, from admission until retired
+        self.num_sent_blocks = 0  # how much of block_ids the device's table already holds
+        self.table_reset = False  # preempted: the device's table must start over
+        self.last_launched_step = -1
+        self.num_preemptions = 0
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        now = time.monotonic()
+        self.arrival_time = now if arrival is None else arrival
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.token_times: list[float] = []
+        self.abort_time: float | None = None
+        self.released_time: float | None = None  # its KV blocks went back to the pool
+        self.queue_deadline: float | None = None  # monotonic; must be admitted before
+        self.time_deadline: float | None = None  # monotonic; ends with TIME_LIMIT after
+
+    def add_output(self, token: int) -> None:
+        self.output_ids.append(token)
+        self.num_tokens += 1
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[position] if position < n else self.output_ids[position - n]
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
+
+    def known_tokens(self, end: int) -> list[int]:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[:end] if end <= n else self.prompt_ids + self.output_ids[: end - n]
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, inflight={self.num_inflight})"
+        )

@@ -1,0 +1,355 @@
+"""Plans one step at a time: which requests run, how many tokens each, which KV blocks.
+
+No prefill/decode phases: every request's ``num_computed_tokens`` catches up with its
+token count under a per-step token budget, so chunked prefill and mixed batches need no
+special case. Blocks of a request that ends or is preempted go into a ledger and return
+to the pool only once every launched step that uses them has completed
+(``step_completed``), because under overlap the next step may already be writing them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass
+
+from async_engine.core.kv_manager import KVCacheManager
+from async_engine.core.request import FinishReason, Request, RequestStatus
+from blockalloc import BlockPool
+from streams.plan import PLACEHOLDER, NewRow, StepPlan, bools, int32s, int64s
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+
+
+@dataclass(slots=True)
+class PendingFree:
+    """Blocks to free once step ``after_step`` has completed (and the request to retire)."""
+
+    after_step: int
+    blocks: list[int]
+    request: Request | None  # a finished request: its row and id are released too
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.kv = KVCacheManager(pool, config.block_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[tuple[int, int, Request]] = []  # heap of (priority, arrival, req)
+        self.running: list[Request] = []
+        self.next_step_id = 0
+        self.completed_step_id = -1
+        self.pending_frees: list[PendingFree] = []
+        self._free_rows: list[int] = []
+        self._num_rows = 0
+        self._released_rows: list[int] = []  # sent with the next plan
+        self.num_preemptions = 0
+        self.wasted_tokens = 0
+
+    # ----------------------------------------------------------------- intake
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in flight")
+        self.requests[req.request_id] = req
+        max_tokens = req.params.max_tokens
+        req.token_limit = self.config.max_model_len
+        if max_tokens is not None:
+            req.token_limit = min(req.token_limit, len(req.prompt_ids) + max_tokens)
+        heapq.heappush(self.waiting, (req.priority, req.arrival_seq, req))
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # --------------------------------------------------------------- planning
+    def schedule(self) -> StepPlan | None:
+        budget = self.config.max_num_batched_tokens
+        chosen: list[tuple[Request, int]] = []
+        new_rows: list[NewRow] = []
+        preemptions_before = self.num_preemptions
+
+        # The hot loop: every running request, every step. Kept to plain arithmetic.
+        bs = self.config.block_size
+        running = RequestStatus.RUNNING
+        for req in list(self.running):
+            if req.status is not running:
+                continue  # preempted earlier in this loop
+            pending = req.num_tokens + req.num_inflight
+            if pending >= req.token_limit:
+                continue  # its last token is in flight: it ends when that is applied
+            n = pending - req.num_computed_tokens
+            if n > budget:
+                n = budget
+            if n <= 0:
+                continue
+            grows = (req.num_computed_tokens + n + bs - 1) // bs > len(req.block_ids)
+            if grows and not self.kv.allocate_slots(req, n):
+                if not self._make_room(req, n, chosen):
+                    continue
+            chosen.append((req, n))
+            budget -= n
+            if budget == 0:
+                break
+
+        # Admit nothing in a step that had to preempt: the pool is short already.
+        preempted = self.num_preemptions != preemptions_before
+        while self.waiting and not preempted and budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            req = self.waiting[0][2]
+            if req.num_computed_tokens == 0 and not req.block_ids:
+                self.kv.lookup_prefix(req)
+            n = self._num_new_tokens(req, budget)
+            if n == 0 or not self.kv.allocate_slots(req, n):
+                self.kv.release(req)  # give back prefix-cache hits; retry next step
+                req.num_computed_tokens = 0
+                break
+            heapq.heappop(self.waiting)
+            req.status = RequestStatus.RUNNING
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
+            if req.row is None:
+                req.row = self._take_row()
+                new_rows.append(self._new_row(req))
+            self.running.append(req)
+            chosen.append((req, n))
+            budget -= n
+
+        # A victim may have been chosen before it was preempted (when every request was).
+        chosen = [(r, n) for r, n in chosen if r.status is RequestStatus.RUNNING]
+        if not chosen:
+            return None  # released rows ride along with the next real plan
+        return self._build_plan(chosen, new_rows)
+
+    def _make_room(self, req: Request, n: int, chosen: list[tuple[Request, int]]) -> bool:
+        """Preempt until ``req`` gets its blocks; False if it cannot run this step."""
+        while True:
+            if self._blocks_arriving() >= self.kv.blocks_needed(req, n) - self.pool.num_free:
+                return False  # blocks of ended requests come back after the running step
+            victim = self._pick_victim(exclude=[r for r, _ in chosen])
+            self._preempt(victim)
+            if victim is req:
+                return False
+            if self.kv.allocate_slots(req, n):
+                return True
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        pending = req.num_tokens + req.num_inflight
+        if pending >= req.token_limit:
+            return 0  # its last token is in flight: it ends when that is applied
+        return min(pending - req.num_computed_tokens, budget)
+
+    def _build_plan(self, chosen: list[tuple[Request, int]], new_rows: list[NewRow]) -> StepPlan:
+        step_id = self.next_step_id
+        self.next_step_id += 1
+        rows: list[int] = []
+        starts: list[int] = []
+        query_lens: list[int] = []
+        sample: list[bool] = []
+        inputs: list[int] = []
+        resets: list[int] = []
+        new_blocks: list[int] = []
+        for req, n in chosen:
+            start = req.num_computed_tokens
+            end = start + n
+            known = req.num_tokens
+            row = req.row
+            rows.append(row)
+            starts.append(start)
+            query_lens.append(n)
+            if start >= known:  # steady decode: the token was sampled by a step in flight
+                inputs += [PLACEHOLDER] * n
+            elif end <= known:
+                inputs += req.tokens_between(start, end)
+            else:
+                inputs += req.tokens_between(start, known)
+                inputs += [PLACEHOLDER] * (end - known)
+            if req.table_reset:
+                resets.append(row)
+                req.table_reset = False
+            if len(req.block_ids) > req.num_sent_blocks:
+                for block in req.block_ids[req.num_sent_blocks :]:
+                    new_blocks += (row, block)
+                req.num_sent_blocks = len(req.block_ids)
+            if end == known + req.num_inflight:
+                sample.append(True)
+                req.num_inflight += 1
+            else:
+                sample.append(False)
+            req.num_computed_tokens = end
+            req.last_launched_step = step_id
+        released, self._released_rows = self._released_rows, []
+        return StepPlan(
+            step_id=step_id, rows=int32s(rows), starts=int32s(starts),
+            query_lens=int32s(query_lens), sample=bools(sample), input_ids=int64s(inputs),
+            new_rows=new_rows, released_rows=int32s(released), reset_rows=int32s(resets),
+            new_blocks=int32s(new_blocks), requests=[r for r, _ in chosen],
+        )  # fmt: skip
+
+    def _blocks_arriving(self) -> int:
+        return sum(len(p.blocks) for p in self.pending_frees)
+
+    def _take_row(self) -> int:
+        if self._free_rows:
+            return self._free_rows.pop()
+        self._num_rows += 1
+        return self._num_rows - 1
+
+    def _new_row(self, req: Request) -> NewRow:
+        stop_ids = list(req.params.stop_token_ids)
+        if not req.params.ignore_eos:
+            stop_ids += [t for t in req.eos_ids if t not in stop_ids]
+        return NewRow(req.row, req.params, list(req.prompt_ids), stop_ids)
+
+    # ------------------------------------------------------------ preemption
+    def _pick_victim(self, exclude: list[Request]) -> Request:
+        # Lowest priority first (largest number), newest among equals: recompute is cheapest there.
+        candidates = [r for r in self.running if r not in exclude] or self.running
+        return max(candidates, key=lambda r: (r.priority, r.arrival_seq))
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._free_blocks_after_launch(req)
+        req.table_reset = True  # it keeps its row; the device's table starts over
+        req.num_sent_blocks = 0
+        heapq.heappush(self.waiting, (req.priority, req.arrival_seq, req))
+
+    # ---------------------------------------------------------- step results
+    def step_completed(self, step_id: int) -> None:
+        """The device finished ``step_id`` (and every step before it): their blocks are idle."""
+        self.completed_step_id = max(self.completed_step_id, step_id)
+        if not self.pending_frees:
+            return
+        still: list[PendingFree] = []
+        for pending in self.pending_frees:
+            if pending.after_step <= self.completed_step_id:
+                self.kv.free(pending.blocks)
+                if pending.request is not None:
+                    self._retire(pending.request)
+            else:
+                still.append(pending)
+        self.pending_frees = still
+
+    def update_from_output(
+        self,
+        plan: StepPlan,
+        tokens: list[int],
+        logprobs: list[float] | None = None,
+        top_logprobs: list[list[tuple[int, float]]] | None = None,
+    ) -> list[Request]:
+        """Apply one step's sampled tokens; returns the requests that got a token."""
+        self.step_completed(plan.step_id)
+        now = time.monotonic()
+        touched: list[Request] = []
+        tokens = tokens.tolist() if hasattr(tokens, "tolist") else tokens
+        register = self.pool.enable_prefix_cache
+        bs = self.config.block_size
+        finished = RequestStatus.FINISHED
+        row = 0
+        for req, sampled in zip(plan.requests, plan.sample.tolist(), strict=True):
+            if not sampled:
+                if register and req.status is not finished:
+                    self.kv.register_full_blocks(req)
+                continue
+            token = tokens[row]
+            if req.status is finished:
+                self.wasted_tokens += 1  # launched before the request ended
+                row += 1
+                continue
+            req.num_inflight -= 1
+            req.output_ids.append(token)
+            req.num_tokens += 1
+            if logprobs is not None:
+                req.output_logprobs.append(logprobs[row])
+            if top_logprobs is not None:
+                req.output_top_logprobs.append(top_logprobs[row])
+            row += 1
+            req.token_times.append(now)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            # Only a step that completes a block has anything to register.
+            if register and req.num_computed_tokens // bs > len(req.block_hashes):
+                self.kv.register_full_blocks(req)
+            if token in req.stop_ids or req.num_tokens >= req.token_limit:
+                reason = self._check_stop(req, token)
+                if reason is not None:
+                    stop = token if reason is FinishReason.STOP else None
+                    self.finish(req, reason, stop_reason=stop)
+            touched.append(req)
+        return touched
+
+    def fail_step(self, plan: StepPlan) -> list[Request]:
+        """A step raised on the device: only the requests it carried fail."""
+        self.step_completed(plan.step_id)
+        failed = []
+        for req in plan.requests:
+            if not req.finished:
+                self.finish(req, FinishReason.ERROR)
+                failed.append(req)
+        return failed
+
+    def _check_stop(self, req: Request, token: int) -> FinishReason | None:
+        params = req.params
+        if token in req.stop_ids and len(req.output_ids) >= params.min_tokens:
+            return FinishReason.STOP if token in params.stop_token_ids else FinishReason.EOS
+        if params.max_tokens is not None and len(req.output_ids) >= params.max_tokens:
+            return FinishReason.LENGTH
+        if req.num_tokens >= self.config.max_model_len:
+            return FinishReason.CONTEXT_LENGTH
+        return None
+
+    # ------------------------------------------------------------ finishing
+    def finish(
+        self, req: Request, reason: FinishReason, stop_reason: int | str | None = None
+    ) -> None:
+        """End a request now (stop, abort, error); its blocks follow its last launched step."""
+        if req.finished:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting = [e for e in self.waiting if e[2] is not req]
+            heapq.heapify(self.waiting)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        req.finished_time = time.monotonic()
+        self._free_blocks_after_launch(req)
+
+    def _free_blocks_after_launch(self, req: Request) -> None:
+        """Free now if no launched step still uses the blocks, else after that step."""
+        retire = req if req.finished else None
+        if req.last_launched_step <= self.completed_step_id:
+            self.kv.release(req)
+            if retire is not None:
+                self._retire(retire)
+            return
+        self.pending_frees.append(PendingFree(req.last_launched_step, self.kv.detach(req), retire))
+
+    def _retire(self, req: Request) -> None:
+        """A finished request whose blocks are back: its row and its id are free again."""
+        req.released_time = time.monotonic()
+        if req.row is not None:
+            self._released_rows.append(req.row)
+            self._free_rows.append(req.row)
+            req.row = None
+        if self.requests.get(req.request_id) is req:
+            del self.requests[req.request_id]

@@ -1,0 +1,216 @@
+"""Server lifecycle: build the grpc.aio server around an engine, warm up, serve, drain.
+
+``GenerationServer`` runs on the caller's event loop (the CLI's uvloop);
+``BackgroundServer`` runs one on a private uvloop thread, for tests and benchmarks that
+need a live server next to their own event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from async_engine.core.engine import AsyncEngine
+from async_engine.server.auth import BearerTokenInterceptor
+from async_engine.server.codec import Limits
+from async_engine.server.logs import ensure_logging
+from async_engine.server.metrics import ServerMetrics
+from async_engine.server.service import GenerationService
+from async_engine.v1 import generation_pb2 as pb
+from async_engine.v1 import generation_pb2_grpc as pb_grpc
+from sampler.params import SamplingParams
+
+log = structlog.get_logger("async_engine.server.service")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+@dataclass(slots=True)
+class ServerOptions:
+    host: str = "127.0.0.1"  # loopback unless the operator opens it up
+    port: int = 50051  # 0: any free port (see GenerationServer.port)
+    metrics_port: int | None = 9400  # None: no /metrics endpoint; 0: any free port
+    drain_timeout_s: float = 30.0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    auth_token: str | None = None
+    max_message_bytes: int = 4 << 20  # gRPC rejects larger requests with RESOURCE_EXHAUSTED
+    limits: Limits = field(default_factory=Limits)
+    metrics_interval_s: float = 0.25
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+
+
+class GenerationServer:
+    def __init__(self, engine: AsyncEngine, options: ServerOptions | None = None) -> None:
+        ensure_logging()
+        self.engine = engine
+        self.options = opts = options or ServerOptions()
+        self.metrics = ServerMetrics(str(engine.config.model), engine.config.block_size)
+        self.service = GenerationService(engine, self.metrics, opts.limits)
+        self.health = health_aio.HealthServicer()
+        self.port = 0
+        self.metrics_port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._httpd: Any = None
+        self._refresher: asyncio.Task | None = None
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> None:
+        opts = self.options
+        interceptors = [BearerTokenInterceptor(opts.auth_token)] if opts.auth_token else []
+        server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_receive_message_length", opts.max_message_bytes),
+                ("grpc.max_send_message_length", opts.max_message_bytes),
+                ("grpc.so_reuseport", 0),  # a busy port must fail, not be shared
+            ],
+        )
+        pb_grpc.add_GenerationServicer_to_server(self.service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        address = f"{opts.host}:{opts.port}"
+        if opts.tls_cert is not None and opts.tls_key is not None:
+            with open(opts.tls_key, "rb") as k, open(opts.tls_cert, "rb") as c:
+                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+            self.port = server.add_secure_port(address, creds)
+        else:
+            self.port = server.add_insecure_port(address)
+        self._server = server
+        await server.start()
+        if opts.metrics_port is not None:
+            self._httpd, _ = start_http_server(
+                opts.metrics_port, opts.host, registry=self.metrics.registry
+            )
+            self.metrics_port = self._httpd.server_port
+        self._refresher = asyncio.create_task(self._refresh_metrics(), name="metrics-refresh")
+        if opts.warmup:
+            await self._warm_up()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "server.ready",
+            port=self.port,
+            metrics_port=self.metrics_port,
+            model=str(self.engine.config.model),
+            tls=opts.tls_cert is not None,
+            auth=bool(opts.auth_token),
+        )
+
+    async def _warm_up(self) -> None:
+        """One tiny request, so that the first client does not pay for lazy initialisation."""
+        token = min(100, self.engine.model_config.vocab_size - 1)
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        async for _ in self.engine.generate([token] * 4, params, detokenize=False):
+            pass
+
+    async def _refresh_metrics(self) -> None:
+        """Gauges from the engine; also turns health NOT_SERVING if the device died."""
+        reported_dead = False
+        while True:
+            try:
+                self.metrics.refresh(self.engine)
+            except Exception:  # a metrics bug must never take the server down
+                log.exception("metrics.refresh_failed")
+            if self.engine.fatal_error is not None and not reported_dead:
+                reported_dead = True
+                log.error("engine.stopped", error=repr(self.engine.fatal_error))
+                for name in ("", SERVICE_NAME):
+                    await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await asyncio.sleep(self.options.metrics_interval_s)
+
+    async def drain(self, timeout_s: float | None = None) -> bool:
+        """Refuse new requests, report NOT_SERVING, wait for in-flight ones. True if all ended."""
+        timeout = self.options.drain_timeout_s if timeout_s is None else timeout_s
+        self.service.draining = True
+        await self.health.enter_graceful_shutdown()
+        log.info("server.draining", in_flight=len(self.service.calls), timeout_s=timeout)
+        try:
+            await asyncio.wait_for(self.service.idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            log.warning("server.drain_timeout", still_running=len(self.service.calls))
+            return False
+
+    async def stop(self, grace_s: float | None = 0.5) -> None:
+        """Stop serving; RPCs still open after grace are cancelled (and their requests aborted)."""
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        if self._refresher is not None:
+            self._refresher.cancel()
+            await asyncio.gather(self._refresher, return_exceptions=True)
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+        self._stopped.set()
+        log.info("server.stopped")
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+
+class BackgroundServer:
+    """A GenerationServer on its own uvloop thread. The engine is created by the caller
+    (outside any loop) and from now on belongs to this server's loop."""
+
+    def __init__(self, engine: AsyncEngine, options: ServerOptions | None = None) -> None:
+        import uvloop
+
+        self.engine = engine
+        self.loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, daemon=True, name="grpc-server"
+        )
+        self._thread.start()
+        self.server: GenerationServer = self.call(_make_server(engine, options))
+        self.call(self.server.start())
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
+    def address(self) -> str:
+        return f"{self.server.options.host}:{self.server.port}"
+
+    def call(self, coro: Any, timeout: float | None = 120) -> Any:
+        """Run a coroutine on the server's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self, close_engine: bool = True) -> None:
+        if not self.loop.is_running():
+            return
+        self.call(self.server.stop(0))
+        if close_engine:
+            self.call(self.engine.aclose())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.loop.close()
+
+
+async def _make_server(engine: AsyncEngine, options: ServerOptions | None) -> GenerationServer:
+    return GenerationServer(engine, options)  # built on the loop: its asyncio objects bind there

@@ -1,0 +1,230 @@
+"""Translation between async_engine.v1 messages and the engine's own types.
+
+Everything a client can get wrong is checked here or by the engine, and reported as a
+``RpcFailure`` with the proto path of the offending field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from async_engine.core.fanout import child_params
+from async_engine.core.output import RequestDelta
+from async_engine.core.request import FinishReason
+from async_engine.server.errors import RpcFailure, invalid_argument
+from async_engine.v1 import generation_pb2 as pb
+from sampler.params import SamplingParams
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(slots=True, frozen=True)
+class Limits:
+    """Input limits the server enforces before any tokenizing work is done."""
+
+    max_n: int = 16
+    max_prompt_chars: int = 1 << 20  # text and chat content, before tokenizing
+    max_prompt_tokens: int = 1 << 17  # token_ids given directly
+    max_request_id_chars: int = 256
+    max_tenant_chars: int = 128
+
+
+@dataclass(slots=True)
+class Submission:
+    """A GenerateRequest, decoded: what add_request needs, once per output index."""
+
+    request_id: str
+    prompt: str | list[int] | None
+    messages: list[dict[str, str]] | None
+    params: SamplingParams
+    n: int
+    priority: int
+    tenant: str
+    detokenize: bool
+    max_queue_ms: int | None
+    time_limit_ms: int | None
+    prompt_field: str  # "text" | "token_ids" | "chat": where prompt errors point
+
+    def params_for(self, index: int) -> SamplingParams:
+        """Child ``index``'s params (see core.fanout)."""
+        return child_params(self.params, self.n, index)
+
+    def options(self) -> dict[str, Any]:
+        return {
+            "messages": self.messages,
+            "priority": self.priority,
+            "tenant": self.tenant,
+            "detokenize": self.detokenize,
+            "max_queue_ms": self.max_queue_ms,
+            "time_limit_ms": self.time_limit_ms,
+        }
+
+
+def decode_request(msg: pb.GenerateRequest, limits: Limits) -> Submission:
+    """Raises RpcFailure(INVALID_ARGUMENT) naming the field."""
+    if len(msg.request_id) > limits.max_request_id_chars:
+        raise invalid_argument(
+            f"request_id is longer than {limits.max_request_id_chars} characters", "request_id"
+        )
+    if len(msg.tenant) > limits.max_tenant_chars:
+        raise invalid_argument(
+            f"tenant is longer than {limits.max_tenant_chars} characters", "tenant"
+        )
+    prompt, messages, prompt_field = _decode_prompt(msg, limits)
+    n = msg.sampling.n or 1
+    if n > limits.max_n:
+        raise invalid_argument(f"n must be <= {limits.max_n}, got {n}", "sampling.n")
+    try:
+        params = SamplingParams(**_params_kwargs(msg))
+    except ValueError as exc:
+        raise invalid_argument(str(exc)) from None
+    return Submission(
+        request_id=msg.request_id,
+        prompt=prompt,
+        messages=messages,
+        params=params,
+        n=n,
+        priority=msg.priority,
+        tenant=msg.tenant,
+        detokenize=not msg.output.skip_detokenize,
+        max_queue_ms=msg.max_queue_ms if msg.HasField("max_queue_ms") else None,
+        time_limit_ms=msg.time_limit_ms if msg.HasField("time_limit_ms") else None,
+        prompt_field=prompt_field,
+    )
+
+
+def _decode_prompt(
+    msg: pb.GenerateRequest, limits: Limits
+) -> tuple[str | list[int] | None, list[dict[str, str]] | None, str]:
+    kind = msg.WhichOneof("prompt")
+    if kind is None:
+        raise invalid_argument("prompt: set one of text, token_ids or chat", "prompt")
+    if kind == "text":
+        if len(msg.text) > limits.max_prompt_chars:
+            raise invalid_argument(
+                f"text is longer than {limits.max_prompt_chars} characters", "text"
+            )
+        return msg.text, None, "text"
+    if kind == "token_ids":
+        ids = list(msg.token_ids.ids)
+        if len(ids) > limits.max_prompt_tokens:
+            raise invalid_argument(
+                f"token_ids has more than {limits.max_prompt_tokens} tokens", "token_ids.ids"
+            )
+        return ids, None, "token_ids"
+    messages = []
+    total = 0
+    for i, m in enumerate(msg.chat.messages):
+        # The tokenizer also checks roles, but only the server knows the proto path.
+        if m.role not in CHAT_ROLES:
+            raise invalid_argument(
+                f"chat.messages[{i}].role is unknown: {m.role!r} (expected one of {', '.join(CHAT_ROLES)})",
+                f"chat.messages[{i}].role",
+            )
+        total += len(m.content)
+        messages.append({"role": m.role, "content": m.content})
+    if not messages:
+        raise invalid_argument("chat.messages must not be empty", "chat.messages")
+    if total > limits.max_prompt_chars:
+        raise invalid_argument(
+            f"chat.messages are longer than {limits.max_prompt_chars} characters", "chat.messages"
+        )
+    return None, messages, "chat"
+
+
+def _params_kwargs(msg: pb.GenerateRequest) -> dict[str, Any]:
+    s, stop, out = msg.sampling, msg.stop, msg.output
+    kwargs: dict[str, Any] = {}
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+    ):
+        if s.HasField(name):
+            value = getattr(s, name)
+            # float32 on the wire: 0.7 arrives as 0.699999988; 7 significant digits give back
+            # what the client wrote.
+            kwargs[name] = float(f"{value:.7g}") if isinstance(value, float) else value
+    if stop.HasField("max_tokens"):
+        kwargs["max_tokens"] = stop.max_tokens
+    kwargs["min_tokens"] = stop.min_tokens
+    kwargs["stop"] = tuple(stop.stop)
+    kwargs["stop_token_ids"] = tuple(stop.stop_token_ids)
+    kwargs["ignore_eos"] = stop.ignore_eos
+    kwargs["include_stop_str_in_output"] = stop.include_stop_str
+    if out.HasField("logprobs"):
+        kwargs["logprobs"] = out.logprobs
+    return kwargs
+
+
+# ------------------------------------------------------------------ responses
+_REASONS = {
+    FinishReason.EOS: pb.FINISH_REASON_EOS,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.CONTEXT_LENGTH: pb.FINISH_REASON_CONTEXT_LENGTH,
+    FinishReason.ABORTED: pb.FINISH_REASON_ABORTED,
+    FinishReason.TIME_LIMIT: pb.FINISH_REASON_TIME_LIMIT,
+}
+
+
+def accepted(
+    seq: int, request_id: str, prompt_tokens: int, cached_tokens: int
+) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        seq=seq,
+        accepted=pb.Accepted(
+            request_id=request_id, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens
+        ),
+    )
+
+
+def chunk(seq: int, index: int, delta: RequestDelta) -> pb.GenerateResponse:
+    msg = pb.Chunk(index=index, offset=delta.offset, token_ids=delta.token_ids, text=delta.text)
+    if delta.logprobs:
+        msg.logprobs.extend(delta.logprobs)
+    if delta.top_logprobs:
+        for top in delta.top_logprobs:
+            msg.top_logprobs.add(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+    return pb.GenerateResponse(seq=seq, chunk=msg)
+
+
+def finished(
+    seq: int, index: int, delta: RequestDelta, completion_tokens: int
+) -> pb.GenerateResponse:
+    """The Finished message of a final delta whose reason is a normal end (not an error)."""
+    reason = delta.finish_reason
+    if reason not in _REASONS:
+        raise ValueError(f"{reason} is reported as a status, not as Finished")
+    msg = pb.Finished(
+        index=index,
+        reason=_REASONS[reason],
+        usage=pb.Usage(
+            prompt_tokens=delta.num_prompt_tokens,
+            completion_tokens=completion_tokens,
+            cached_tokens=delta.num_cached_tokens,
+        ),
+        timings=pb.Timings(
+            queue_s=delta.timings.get("queue_s", 0.0),
+            ttft_s=delta.timings.get("ttft_s", 0.0),
+            e2e_s=delta.timings.get("e2e_s", 0.0),
+        ),
+    )
+    if isinstance(delta.stop_reason, str):
+        msg.stop_str = delta.stop_reason
+    elif isinstance(delta.stop_reason, int):
+        msg.stop_token_id = delta.stop_reason
+    return pb.GenerateResponse(seq=seq, finished=msg)
+
+
+def is_failure(reason: FinishReason | None) -> bool:
+    return reason in (FinishReason.ERROR, FinishReason.QUEUE_TIMEOUT)
+
+
+__all__ = ["Limits", "RpcFailure", "Submission", "accepted", "chunk", "decode_request", "finished"]

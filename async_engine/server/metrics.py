@@ -1,0 +1,241 @@
+"""Prometheus metrics of a server: vLLM-compatible names and buckets, plus our own.
+
+Each server owns a CollectorRegistry (no process-global state), so several servers can
+live in one process (tests, benchmarks). Gauges are refreshed from the engine by the
+server's event loop; nothing here reads the engine from the HTTP thread.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from async_engine.core.request import Request
+
+if TYPE_CHECKING:
+    from async_engine.core.engine import AsyncEngine
+
+# The buckets vLLM uses, so that dashboards built for it read our series unchanged.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+# Cancellation reaches the KV cache within a step or two: milliseconds, not seconds.
+LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+MAX_TENANTS = 64  # label cardinality guard: later tenants share the label "other"
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, block_size: int) -> None:
+        self.registry = reg = CollectorRegistry()
+        self.model_name = model_name
+        self.block_size = block_size
+        m = ["model_name"]
+        self.running = Gauge(
+            "vllm:num_requests_running", "Requests running on the device", m, registry=reg
+        )
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be admitted", m, registry=reg
+        )
+        self.kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV cache usage (1 = full)", m, registry=reg
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token",
+            m,
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Inter-token latency",
+            m,
+            buckets=ITL_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "End-to-end request latency",
+            m,
+            buckets=REQUEST_BUCKETS,
+            registry=reg,
+        )
+        self.queue = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Time waiting for admission",
+            m,
+            buckets=REQUEST_BUCKETS,
+            registry=reg,
+        )
+        self.preemptions = Counter("vllm:num_preemptions", "Preemptions", m, registry=reg)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens", m, registry=reg)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Generated tokens", m, registry=reg
+        )
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries", "Prefix cache lookups", m, registry=reg
+        )
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits", m, registry=reg)
+        self.success = Counter(
+            "vllm:request_success", "Finished requests", m + ["finished_reason"], registry=reg
+        )
+        self.idle = Gauge(
+            "async_engine:device_idle_fraction",
+            "Share of recent device time spent waiting on the control plane",
+            m,
+            registry=reg,
+        )
+        self.device_seconds = Counter(
+            "async_engine:device_seconds",
+            "Device time by state: busy, or idle while requests had work",
+            m + ["state"],
+            registry=reg,
+        )
+        self.phase_seconds = Counter(
+            "async_engine:step_phase_seconds",
+            "Control-plane time per step phase (wait = on the device)",
+            m + ["phase"],
+            registry=reg,
+        )
+        self.cancel_lag = Histogram(
+            "async_engine:cancellation_lag_seconds",
+            "From abort to the request's KV blocks back in the pool",
+            m,
+            buckets=LAG_BUCKETS,
+            registry=reg,
+        )
+        self.wasted = Counter(
+            "async_engine:wasted_tokens",
+            "Tokens computed for requests that had already ended",
+            m,
+            registry=reg,
+        )
+        self.fragmentation = Gauge(
+            "async_engine:kv_fragmentation",
+            "Share of allocated KV slots holding no token",
+            m,
+            registry=reg,
+        )
+        self.tenant_e2e = Histogram(
+            "async_engine:tenant_e2e_request_latency_seconds",
+            "End-to-end request latency by tenant",
+            m + ["tenant"],
+            buckets=REQUEST_BUCKETS,
+            registry=reg,
+        )
+        # Create every model-labelled series now, so that counters read 0 before their first event.
+        for metric in (
+            self.running,
+            self.waiting,
+            self.kv_usage,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue,
+            self.preemptions,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.prefix_queries,
+            self.prefix_hits,
+            self.idle,
+            self.cancel_lag,
+            self.wasted,
+            self.fragmentation,
+        ):
+            metric.labels(model_name)
+        self._tenants: set[str] = set()
+        self._last_counts: dict[str, int] = {}
+        self._last_phase: dict[str, float] = {}
+        self._awaiting_release: list[Request] = []
+
+    # ------------------------------------------------------------ per request
+    def on_request_end(self, req: Request) -> None:
+        """Record a request the server is done with (finished, aborted or failed)."""
+        name = self.model_name
+        if req.finish_reason is not None:
+            self.success.labels(name, req.finish_reason.simple).inc()
+        self.prompt_tokens.labels(name).inc(req.num_prompt_tokens)
+        self.generation_tokens.labels(name).inc(len(req.output_ids))
+        if req.scheduled_time is not None:
+            self.queue.labels(name).observe(req.scheduled_time - req.arrival_time)
+        if req.first_token_time is not None:
+            self.ttft.labels(name).observe(req.first_token_time - req.arrival_time)
+        times = req.token_times
+        for earlier, later in zip(times, times[1:], strict=False):
+            self.itl.labels(name).observe(later - earlier)
+        if req.finished_time is not None:
+            e2e = req.finished_time - req.arrival_time
+            self.e2e.labels(name).observe(e2e)
+            self.tenant_e2e.labels(name, self._tenant_label(req.tenant)).observe(e2e)
+        if req.abort_time is not None:
+            self._awaiting_release.append(req)
+            self._observe_released()
+
+    def _tenant_label(self, tenant: str) -> str:
+        if tenant in self._tenants or len(self._tenants) < MAX_TENANTS:
+            self._tenants.add(tenant)
+            return tenant
+        return "other"
+
+    def _observe_released(self) -> None:
+        # Blocks are freed after the step that last wrote them completes, so the lag of an
+        # abort is only known a step or two after the server let go of the request.
+        pending = []
+        for req in self._awaiting_release:
+            if req.released_time is None:
+                pending.append(req)
+            elif req.abort_time is not None:
+                self.cancel_lag.labels(self.model_name).observe(
+                    max(0.0, req.released_time - req.abort_time)
+                )
+        self._awaiting_release = pending
+
+    # ------------------------------------------------------------- periodic
+    def refresh(self, engine: AsyncEngine) -> None:
+        """Copy the engine's state into the gauges; call from the engine's event loop."""
+        name = self.model_name
+        stats = engine.stats()
+        self.running.labels(name).set(stats.running)
+        self.waiting.labels(name).set(stats.waiting)
+        self.kv_usage.labels(name).set(stats.kv_usage)
+        self.idle.labels(name).set(stats.device_idle_fraction)
+        self.fragmentation.labels(name).set(kv_fragmentation(engine, self.block_size))
+        for key, counter, value in (
+            ("preemptions", self.preemptions, stats.num_preemptions),
+            ("wasted", self.wasted, stats.wasted_tokens),
+            ("prefix_queries", self.prefix_queries, stats.prefix_cache_queries),
+            ("prefix_hits", self.prefix_hits, stats.prefix_cache_hits),
+        ):
+            grown = value - self._last_counts.get(key, 0)
+            if grown > 0:
+                counter.labels(name).inc(grown)
+            self._last_counts[key] = value
+        for state, seconds in (
+            ("busy", stats.device_busy_seconds),
+            ("idle", stats.device_idle_seconds),
+        ):
+            grown = seconds - self._last_phase.get(f"device:{state}", 0.0)
+            if grown > 0:
+                self.device_seconds.labels(name, state).inc(grown)
+            self._last_phase[f"device:{state}"] = seconds
+        for phase, seconds in stats.phase_seconds.items():
+            grown = seconds - self._last_phase.get(phase, 0.0)
+            if grown > 0:
+                self.phase_seconds.labels(name, phase).inc(grown)
+            self._last_phase[phase] = seconds
+        self._observe_released()
+
+
+def kv_fragmentation(engine: AsyncEngine, block_size: int) -> float:
+    """Allocated-but-empty KV slots over allocated slots, across running requests."""
+    allocated = used = 0
+    for req in engine.scheduler.running:
+        slots = len(req.block_ids) * block_size
+        allocated += slots
+        used += min(slots, req.num_computed_tokens)
+    return (allocated - used) / allocated if allocated else 0.0

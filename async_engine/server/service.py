@@ -1,0 +1,235 @@
+"""The Generation service: one Generate RPC per request, so a dropped stream is an abort.
+
+Stream rules (what every client may rely on): ``Accepted`` first (seq 0), sent once the
+request was admitted (its prefix-cache hit is then known); ``Chunk``s with contiguous
+offsets per index; exactly one ``Finished`` per index whose usage counts what was
+streamed; then status OK. Failures are statuses only (see server_errors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+
+from async_engine.core.engine import AsyncEngine, EngineClosedError
+from async_engine.core.fanout import child_ids
+from async_engine.core.inputs import DuplicateRequestError, QueueFullError
+from async_engine.core.output import RequestDelta
+from async_engine.core.request import FinishReason, Request
+from async_engine.server.codec import Limits, Submission, decode_request
+from async_engine.server.codec import accepted as accepted_msg
+from async_engine.server.codec import chunk as chunk_msg
+from async_engine.server.codec import finished as finished_msg
+from async_engine.server.errors import (
+    RpcFailure,
+    already_exists,
+    internal,
+    invalid_argument,
+    resource_exhausted,
+    unavailable,
+)
+from async_engine.server.metrics import ServerMetrics
+from async_engine.v1 import generation_pb2 as pb
+from async_engine.v1 import generation_pb2_grpc as pb_grpc
+
+log = structlog.get_logger("async_engine.server.service")
+
+
+@dataclass(slots=True)
+class _Call:
+    """A Generate RPC in flight: its engine requests, one per output index."""
+
+    request_id: str
+    children: list[Request] = field(default_factory=list)
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    def __init__(
+        self, engine: AsyncEngine, metrics: ServerMetrics, limits: Limits | None = None
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.limits = limits or Limits()
+        self.draining = False
+        self.calls: dict[str, _Call] = {}
+        self.idle = asyncio.Event()  # set while no Generate call is in flight
+        self.idle.set()
+
+    # ---------------------------------------------------------------- Generate
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            call = self._admit(request)
+        except RpcFailure as failure:
+            await context.abort_with_status(failure.to_status())
+            return
+        bound = log.bind(request_id=call.request_id, tenant=request.tenant)
+        bound.debug("request.accepted", n=len(call.children))
+        failure: RpcFailure | None = None
+        try:
+            async for msg in self._responses(call):
+                yield msg
+        except RpcFailure as exc:
+            failure = exc
+        except Exception as exc:  # a bug of ours: report it as INTERNAL, not UNKNOWN
+            bound.exception("request.crashed")
+            failure = internal(f"server error: {exc!r}", call.request_id)
+        finally:
+            self._end(call, bound)
+        if failure is not None:
+            await context.abort_with_status(failure.to_status())
+
+    def _admit(self, request: pb.GenerateRequest) -> _Call:
+        if self.draining:
+            raise unavailable("server is draining; retry on another replica")
+        sub = decode_request(request, self.limits)
+        rid = sub.request_id or uuid.uuid4().hex
+        if rid in self.calls:
+            raise already_exists(rid)
+        call = _Call(rid)
+        try:
+            for i, child_id in enumerate(child_ids(rid, sub.n)):
+                call.children.append(self._add(sub, child_id, i))
+        except BaseException:
+            for req in call.children:
+                self.engine.release(req)
+            raise
+        self.calls[rid] = call
+        self.idle.clear()
+        return call
+
+    def _add(self, sub: Submission, child_id: str, index: int) -> Request:
+        try:
+            return self.engine.add_request(
+                sub.prompt, sub.params_for(index), child_id, **sub.options()
+            )
+        except DuplicateRequestError:
+            raise already_exists(child_id) from None
+        except QueueFullError as exc:
+            raise resource_exhausted(str(exc), "QUEUE_FULL") from None
+        except ValueError as exc:
+            raise invalid_argument(str(exc), prompt_field=sub.prompt_field) from None
+        except EngineClosedError as exc:  # the device died: let routers go elsewhere
+            raise unavailable(str(exc), "ENGINE_STOPPED") from None
+
+    async def _responses(self, call: _Call) -> AsyncIterator[pb.GenerateResponse]:
+        seq = 0
+        emitted = [0] * len(call.children)
+        async for index, delta in _merge(self.engine, call.children):
+            if seq == 0:
+                _raise_if_failed(call, delta)
+                yield accepted_msg(
+                    0, call.request_id, delta.num_prompt_tokens, delta.num_cached_tokens
+                )
+                seq = 1
+            if delta.token_ids or delta.text:
+                if delta.offset != emitted[index]:  # an engine bug; never send a gap
+                    raise internal(
+                        f"output offset {delta.offset} != {emitted[index]}", call.request_id
+                    )
+                yield chunk_msg(seq, index, delta)
+                seq += 1
+                emitted[index] += len(delta.token_ids)
+            if delta.finished:
+                _raise_if_failed(call, delta)
+                yield finished_msg(seq, index, delta, emitted[index])
+                seq += 1
+
+    def _end(self, call: _Call, bound: structlog.typing.FilteringBoundLogger) -> None:
+        for req in call.children:
+            self.engine.release(req)  # aborts what still runs: the client is gone
+            self.metrics.on_request_end(req)
+            reason = req.finish_reason.value if req.finish_reason else None
+            bound.info(
+                "request.finished",
+                child=req.request_id,
+                reason=reason,
+                prompt_tokens=req.num_prompt_tokens,
+                completion_tokens=len(req.output_ids),
+                cached_tokens=req.num_cached_tokens,
+            )
+        self.calls.pop(call.request_id, None)
+        if not self.calls:
+            self.idle.set()
+
+    # ------------------------------------------------------------ unary RPCs
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        aborted, unknown = [], []
+        for rid in request.request_ids:
+            call = self.calls.get(rid)
+            if call is not None:
+                for req in call.children:
+                    self.engine.abort_now(req.request_id)
+                aborted.append(rid)
+            elif self.engine.abort_now(rid):  # one child of an n > 1 call (core.fanout)
+                aborted.append(rid)
+            else:
+                unknown.append(rid)
+        if aborted:
+            log.info("abort", request_ids=aborted, reason=request.reason)
+        return pb.AbortResponse(aborted=aborted, unknown=unknown)
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        engine = self.engine
+        return pb.ModelInfo(
+            model=str(engine.config.model),
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.model_config.vocab_size,
+            eos_token_ids=list(engine.model_config.eos_token_ids),
+            dtype=str(engine.dtype),
+            device=str(engine.device_kind),
+        )
+
+    async def GetLoad(
+        self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Load:
+        stats = self.engine.stats()
+        return pb.Load(
+            running=stats.running,
+            waiting=stats.waiting,
+            kv_usage=stats.kv_usage,
+            free_blocks=self.engine.pool.num_free,  # evictable prefix-cache blocks count as free
+            total_blocks=stats.kv_blocks_total,
+        )
+
+
+def _raise_if_failed(call: _Call, delta: RequestDelta) -> None:
+    if delta.finish_reason is FinishReason.QUEUE_TIMEOUT:
+        raise resource_exhausted("request was not admitted within max_queue_ms", "QUEUE_TIMEOUT")
+    if delta.finish_reason is FinishReason.ERROR:
+        raise internal("the model step running this request failed", call.request_id)
+
+
+async def _merge(
+    engine: AsyncEngine, children: list[Request]
+) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """(index, delta) from every child, as they come. Pulls only when the caller asks, so
+    each child's stream keeps coalescing for a slow reader instead of queueing here."""
+    if len(children) == 1:
+        async for delta in engine.stream(children[0]):
+            yield 0, delta
+        return
+    streams = [engine.stream(req) for req in children]
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=pending.__getitem__):
+                index = pending.pop(future)
+                delta = future.result()
+                yield index, delta
+                if not delta.finished:
+                    pending[asyncio.ensure_future(anext(streams[index]))] = index
+    finally:
+        for future in pending:
+            future.cancel()

@@ -1,0 +1,48 @@
+"""The device spec for each kind (cpu, cuda, sim); every kind runs in a device process."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from streams.device import Device, DeviceSpec
+from streams.process_device import ProcessDevice
+from streams.runner import build_model_runner
+from streams.sim import CostModel
+from streams.sim_runner import build_sim_runner
+
+KINDS = ("cpu", "cuda", "sim")
+
+
+def model_spec(
+    kind: str,
+    model_factory: Callable[[], Any],
+    num_blocks: int,
+    block_size: int,
+    max_blocks_per_row: int,
+    threads: int,
+) -> DeviceSpec:
+    """A device that runs the model: on the CPU with ``threads`` torch threads, or on CUDA."""
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"a model device is cpu or cuda, got {kind!r}")
+    factory = functools.partial(build_model_runner, model_factory, num_blocks, block_size,
+                                max_blocks_per_row, kind)  # fmt: skip
+    return DeviceSpec(factory, threads if kind == "cpu" else 1)
+
+
+def sim_spec(
+    cost: CostModel,
+    vocab_size: int,
+    eos_ids: tuple[int, ...],
+    block_size: int,
+    max_blocks_per_row: int,
+) -> DeviceSpec:
+    """The simulated device: no torch, no weights, a modelled step time."""
+    factory = functools.partial(build_sim_runner, cost, vocab_size, eos_ids, block_size,
+                                max_blocks_per_row)  # fmt: skip
+    return DeviceSpec(factory, threads=0)
+
+
+def create_device(spec: DeviceSpec) -> Device:
+    return ProcessDevice(spec)

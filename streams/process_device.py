@@ -1,0 +1,171 @@
+"""The device process: a separate interpreter that owns the runner (weights and KV cache).
+
+A forward pass on a thread of the control plane's process stalls whenever the control
+plane runs Python (every eager op needs the GIL), so every device runs in its own process:
+the CPU model, the simulated device, and the CUDA model alike. Plans arrive as flat byte
+frames over one pipe and results leave over another; the control plane's event loop
+watches the result pipe. The plan pipe is enlarged so that ``launch`` never blocks on a
+busy device, and the device reads it on its own main thread between steps: a receiver
+thread would need the GIL and a free core to hand a plan over, and on a 2-core machine
+with busy torch threads that handoff cost about a millisecond per step.
+
+The process is a fresh interpreter (``python -m streams.process_device``), not a
+multiprocessing child: the caller's ``__main__`` is never re-imported, so scripts need no
+``if __name__ == "__main__"`` guard.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from streams.device import Device, DeviceError, DeviceSpec
+from streams.plan import StepPlan, StepResult
+from streams.wire import decode_plan, decode_result, encode_plan, encode_result
+
+# glibc hands each multi-megabyte temporary (gathered K/V, activations) its own mmap and
+# returns it on free, so every step page-faults hundreds of MB afresh: measured 3x slower
+# decode steps. Keep such blocks in the heap instead (the caller's environment wins).
+MALLOC_TUNING = {
+    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),  # glibc's maximum on 64-bit
+    "MALLOC_TRIM_THRESHOLD_": str(4 << 30),
+    "MALLOC_TOP_PAD_": str(256 << 20),
+}
+# Frame kinds: the first byte of every message.
+STEP, REPLAY, SHUTDOWN, RESULT, READY, FAILED = b"S", b"R", b"Q", b"r", b"+", b"!"
+
+
+class ProcessDevice(Device):
+    def __init__(self, spec: DeviceSpec, start_timeout: float = 600.0) -> None:
+        plan_r, plan_w = os.pipe()
+        result_r, result_w = os.pipe()
+        root = str(Path(__file__).resolve().parent.parent)
+        env = {**MALLOC_TUNING, **os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (root, os.environ.get("PYTHONPATH")) if p)}  # fmt: skip
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "streams.process_device", str(plan_r), str(result_w)],
+            pass_fds=(plan_r, result_w), env=env, cwd=root,
+        )  # fmt: skip
+        os.close(plan_r)
+        os.close(result_w)
+        _enlarge_pipe(plan_w)
+        self._plan_send = Connection(plan_w, readable=False)
+        self._result_recv = Connection(result_r, writable=False)
+        self._closed = False
+        self._plan_send.send_bytes(pickle.dumps(spec))
+        if not self._result_recv.poll(start_timeout):
+            self.close()
+            raise DeviceError("device process did not start in time")
+        frame = self._recv()
+        if frame[:1] != READY:
+            self.close()
+            raise DeviceError(f"device process failed to start:\n{frame[1:].decode()}")
+
+    def launch(self, plan: StepPlan) -> None:
+        self._send(STEP + encode_plan(plan))
+
+    def completion_fd(self) -> int:
+        return self._result_recv.fileno()
+
+    def collect(self) -> list[StepResult]:
+        results = []
+        while self._result_recv.poll():
+            frame = self._recv()
+            if frame[:1] != RESULT:
+                raise DeviceError(f"unexpected message from device: {frame[:1]!r}")
+            results.append(decode_result(memoryview(frame)[1:]))
+        return results
+
+    def alive(self) -> bool:
+        return not self._closed and self._proc.poll() is None
+
+    def launch_replay(self, plans: list[StepPlan]) -> None:
+        self._send(REPLAY + pickle.dumps([encode_plan(p) for p in plans], 5))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._plan_send.send_bytes(SHUTDOWN)
+        except (OSError, ValueError):
+            pass
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(timeout=5)
+        self._plan_send.close()
+        self._result_recv.close()
+
+    def _send(self, frame: bytes) -> None:
+        if self._closed:
+            raise DeviceError("device is closed")
+        try:
+            self._plan_send.send_bytes(frame)
+        except (BrokenPipeError, OSError) as exc:
+            raise DeviceError(f"device process is gone (exit code {self._proc.poll()})") from exc
+
+    def _recv(self) -> bytes:
+        # An event loop's add_reader may switch the fd to non-blocking; a message that is
+        # only partly written yet must be waited for, not torn.
+        os.set_blocking(self._result_recv.fileno(), True)
+        try:
+            return self._result_recv.recv_bytes()
+        except EOFError as exc:
+            raise DeviceError(f"device process is gone (exit code {self._proc.poll()})") from exc
+
+
+def _enlarge_pipe(fd: int, size: int = 1 << 20) -> None:
+    """Room for many queued plans; Linux caps it at /proc/sys/fs/pipe-max-size."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), size)
+    except OSError:
+        pass  # a smaller pipe only means launch() may wait for the device to catch up
+
+
+def _device_main(plan_recv: Connection, result_send: Connection) -> None:
+    try:
+        spec: DeviceSpec = pickle.loads(plan_recv.recv_bytes())
+        if spec.threads:
+            import torch
+
+            torch.set_num_threads(spec.threads)
+        runner = spec.runner_factory()
+    except Exception:
+        result_send.send_bytes(FAILED + traceback.format_exc().encode())
+        return
+    result_send.send_bytes(READY)
+
+    while True:
+        try:
+            frame = plan_recv.recv_bytes()
+        except (EOFError, OSError):  # the control plane went away: shut down
+            return
+        kind = frame[:1]
+        if kind == SHUTDOWN:
+            return
+        try:
+            if kind == STEP:
+                result = runner.run(decode_plan(memoryview(frame)[1:]))
+            elif kind == REPLAY:
+                plans = [decode_plan(f) for f in pickle.loads(memoryview(frame)[1:])]
+                result = runner.replay(plans)
+            else:
+                continue
+            result_send.send_bytes(RESULT + encode_result(result))
+        except (BrokenPipeError, OSError):
+            return
+
+
+if __name__ == "__main__":
+    _device_main(
+        Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False)
+    )
