@@ -28,6 +28,7 @@ from async_engine.core.inputs import (
 )
 from async_engine.core.observer import StepObserver
 from async_engine.core.output import OutputProcessor, RequestDelta, request_timings
+from async_engine.core.pacing import StreamPacer
 from async_engine.core.request import FinishReason, Request
 from async_engine.core.scheduler import Scheduler, SchedulerConfig
 from async_engine.core.stats import DeviceTimeline, EngineStats, PhaseClock
@@ -85,6 +86,7 @@ class AsyncEngine:
         self.link = DeviceLink(self.device, self._on_step_done)
         self._timed: list[Request] = []  # requests with a queue or time limit
         self.observer: StepObserver | None = None  # a profiler's hooks, injected
+        self.pacer = StreamPacer()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
@@ -141,7 +143,7 @@ class AsyncEngine:
     def release(self, req: Request) -> None:
         """The consumer is gone: abort the request if it still runs and drop its stream."""
         if not req.finished:
-            self.abort_now(req.request_id)
+            self.finish(req.request_id)
         self._outputs.pop(req.request_id, None)
 
     def add_request(
@@ -174,9 +176,14 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request at the next step boundary; False if unknown or already finished."""
-        return self.abort_now(request_id)
+        return self.finish(request_id)
 
-    def abort_now(self, request_id: str, reason: FinishReason = FinishReason.ABORTED) -> bool:
+    def finish(self, request_id: str, reason: FinishReason = FinishReason.ABORTED) -> bool:
+        """End a request now with ``reason`` (abort, error, time or queue limit).
+
+        Its reader gets the final delta; its blocks return after its last launched step.
+        False if the id is unknown or the request had already ended.
+        """
         req = self.scheduler.requests.get(request_id)
         if req is None or req.finished:
             return False
@@ -241,7 +248,7 @@ class AsyncEngine:
         except BaseException as exc:  # the device died: fail every request, refuse new ones
             self.fatal_error = exc
             for req in list(self.scheduler.requests.values()):
-                self.abort_now(req.request_id, FinishReason.ERROR)
+                self.finish(req.request_id, FinishReason.ERROR)
             raise
 
     async def overlap_loop(self) -> None:
@@ -281,10 +288,10 @@ class AsyncEngine:
                 continue
             if req.queue_deadline is not None and req.scheduled_time is None:
                 if now >= req.queue_deadline:
-                    self.abort_now(req.request_id, FinishReason.QUEUE_TIMEOUT)
+                    self.finish(req.request_id, FinishReason.QUEUE_TIMEOUT)
                     continue
             if req.time_deadline is not None and now >= req.time_deadline:
-                self.abort_now(req.request_id, FinishReason.TIME_LIMIT)
+                self.finish(req.request_id, FinishReason.TIME_LIMIT)
                 continue
             keep.append(req)
         self._timed = keep
@@ -292,7 +299,11 @@ class AsyncEngine:
     async def _wait(self, plan: StepPlan, future: asyncio.Future) -> StepResult:
         start = time.monotonic()
         result = await self.link.result(future)
-        self._phase("wait", plan.step_id, start, time.monotonic())
+        resumed = time.monotonic()
+        self._phase("wait", plan.step_id, start, resumed)
+        # From when the engine could go on (waiting, result in) to when the loop let it.
+        held_up = resumed - max(start, result.device_end)
+        self.pacer.observe(held_up, result.device_end - result.device_start)
         return result
 
     async def _wait_for_work(self) -> None:
@@ -327,7 +338,15 @@ class AsyncEngine:
                 plan, result.tokens, result.logprobs, result.top_logprobs
             )
         applied = time.monotonic()
+        outputs, pacer = self._outputs, self.pacer
         for req in touched:
+            processor = outputs.get(req.request_id)
+            if processor is None or not (req.finished or processor.wants_every_step):
+                if processor is None or processor.quiet_until_finished:
+                    continue
+                if not pacer.due(processor.last_emit, applied):
+                    continue  # its tokens wait for the next wake-up, merged into one chunk
+            processor.last_emit = applied
             self._emit(req)
         self._phase("apply", plan.step_id, start, applied)
         self._phase("stream", plan.step_id, applied, time.monotonic())

@@ -91,6 +91,9 @@ class OutputProcessor:
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         # Nothing to do before the end: no reader per token, no stop string to look for.
         self.quiet_until_finished = final_only and not self.stops
+        # Stop strings are matched as text arrives, so that generation ends on time.
+        self.wants_every_step = bool(self.stops)
+        self.last_emit = 0.0  # when the engine last built a delta for this reader
         self.text = ""
         self.num_emitted_tokens = 0
         self.num_emitted_chars = 0

@@ -167,9 +167,9 @@ class GenerationService(pb_grpc.GenerationServicer):
             call = self.calls.get(rid)
             if call is not None:
                 for req in call.children:
-                    self.engine.abort_now(req.request_id)
+                    self.engine.finish(req.request_id)
                 aborted.append(rid)
-            elif self.engine.abort_now(rid):  # one child of an n > 1 call (core.fanout)
+            elif self.engine.finish(rid):  # one child of an n > 1 call (core.fanout)
                 aborted.append(rid)
             else:
                 unknown.append(rid)
