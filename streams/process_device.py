@@ -20,12 +20,15 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 from streams.device import Device, DeviceError, DeviceSpec
 from streams.plan import StepPlan, StepResult
+from streams.sim import PreciseClock
 from streams.wire import decode_plan, decode_result, encode_plan, encode_result
 
 # glibc hands each multi-megabyte temporary (gathered K/V, activations) its own mmap and
@@ -144,25 +147,56 @@ def _device_main(plan_recv: Connection, result_send: Connection) -> None:
         return
     result_send.send_bytes(READY)
 
+    clock = PreciseClock()
+    ahead: tuple[bytes, Any] | None = None  # a message read while a step ran
     while True:
-        try:
-            frame = plan_recv.recv_bytes()
-        except (EOFError, OSError):  # the control plane went away: shut down
-            return
-        kind = frame[:1]
+        if ahead is not None:
+            (kind, payload), ahead = ahead, None
+        else:
+            try:
+                kind, payload = _read(plan_recv)
+            except (EOFError, OSError):  # the control plane went away: shut down
+                return
         if kind == SHUTDOWN:
             return
         try:
             if kind == STEP:
-                result = runner.run(decode_plan(memoryview(frame)[1:]))
+                result = runner.run(payload)
+                if result.device_end > time.monotonic():
+                    # A modelled step (the simulated device): like a GPU's host thread, take
+                    # the next plan in while the step "runs", then finish it on time.
+                    ahead = _read_ahead(plan_recv, clock, result.device_end)
             elif kind == REPLAY:
-                plans = [decode_plan(f) for f in pickle.loads(memoryview(frame)[1:])]
-                result = runner.replay(plans)
+                result = runner.replay(payload)
             else:
                 continue
             result_send.send_bytes(RESULT + encode_result(result))
         except (BrokenPipeError, OSError):
             return
+
+
+def _read(plan_recv: Connection) -> tuple[bytes, Any]:
+    """One message: its kind, and its decoded plan (a step) or plans (a replay)."""
+    frame = plan_recv.recv_bytes()
+    kind = frame[:1]
+    if kind == STEP:
+        return kind, decode_plan(memoryview(frame)[1:])
+    if kind == REPLAY:
+        return kind, [decode_plan(f) for f in pickle.loads(memoryview(frame)[1:])]
+    return kind, None
+
+
+def _read_ahead(
+    plan_recv: Connection, clock: PreciseClock, deadline: float
+) -> tuple[bytes, Any] | None:
+    ahead = None
+    if plan_recv.poll(max(0.0, deadline - time.monotonic() - clock.margin_s)):
+        try:
+            ahead = _read(plan_recv)
+        except (EOFError, OSError):
+            ahead = (SHUTDOWN, None)
+    clock.wait_until(deadline)
+    return ahead
 
 
 if __name__ == "__main__":

@@ -45,8 +45,9 @@ class SimRunner:
         except Exception as exc:  # the step fails alone; the device keeps serving
             return StepResult(plan.step_id, [], device_start=start, device_end=time.monotonic(),
                               error=f"{type(exc).__name__}: {exc}")  # fmt: skip
-        self.clock.wait_until(start + self.step_seconds(plan))
-        return StepResult(plan.step_id, tokens, None, None, start, time.monotonic())
+        # The step ends when the model says; the device process waits for that moment
+        # (and reads the next plan meanwhile) before it sends this result.
+        return StepResult(plan.step_id, tokens, None, None, start, start + self.step_seconds(plan))
 
     def replay(self, plans: list[StepPlan]) -> StepResult:
         live = self.rows, self.seeds

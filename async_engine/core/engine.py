@@ -49,6 +49,7 @@ class EngineClosedError(RuntimeError):
 
 
 class AsyncEngine:
+    SPIN_BELOW_S = 5e-3  # device steps shorter than this are awaited by polling
     def __init__(
         self,
         config: EngineConfig | None = None,
@@ -83,10 +84,12 @@ class AsyncEngine:
         self.timeline = DeviceTimeline()
         self.phase_clock = PhaseClock()
         self._outputs: dict[str, OutputProcessor] = {}  # per request, until released
+        self._num_streaming = 0  # readers that want output before the end
         self.link = DeviceLink(self.device, self._on_step_done)
         self._timed: list[Request] = []  # requests with a queue or time limit
         self.observer: StepObserver | None = None  # a profiler's hooks, injected
         self.pacer = StreamPacer()
+        self._step_s = 0.0  # moving average of the device's step time
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
@@ -144,7 +147,9 @@ class AsyncEngine:
         """The consumer is gone: abort the request if it still runs and drop its stream."""
         if not req.finished:
             self.finish(req.request_id)
-        self._outputs.pop(req.request_id, None)
+        processor = self._outputs.pop(req.request_id, None)
+        if processor is not None and not processor.quiet_until_finished:
+            self._num_streaming -= 1
 
     def add_request(
         self,
@@ -164,9 +169,10 @@ class AsyncEngine:
         req = self.inputs.build(prompt, params, request_id=request_id, **options)
         if self.scheduler.num_waiting >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
-        self._outputs[req.request_id] = OutputProcessor(
-            req, self.tokenizer, detokenize, final_only=not stream
-        )
+        processor = OutputProcessor(req, self.tokenizer, detokenize, final_only=not stream)
+        self._outputs[req.request_id] = processor
+        if not processor.quiet_until_finished:
+            self._num_streaming += 1
         self.scheduler.add_request(req)
         if req.queue_deadline is not None or req.time_deadline is not None:
             self._timed.append(req)
@@ -298,13 +304,21 @@ class AsyncEngine:
 
     async def _wait(self, plan: StepPlan, future: asyncio.Future) -> StepResult:
         start = time.monotonic()
-        result = await self.link.result(future)
+        result = await self.link.result(future, self._spin_budget())
         resumed = time.monotonic()
+        self._step_s += 0.1 * (result.device_end - result.device_start - self._step_s)
         self._phase("wait", plan.step_id, start, resumed)
         # From when the engine could go on (waiting, result in) to when the loop let it.
         held_up = resumed - max(start, result.device_end)
         self.pacer.observe(held_up, result.device_end - result.device_start)
         return result
+
+    def _spin_budget(self) -> float:
+        """Poll for results only where steps are short: a CPU step of 50 ms is waited for
+        asleep, a GPU-speed one awake (see DeviceLink.result)."""
+        if self._step_s > self.SPIN_BELOW_S:
+            return 0.0
+        return 2.0 * self._step_s + 1e-3
 
     async def _wait_for_work(self) -> None:
         assert self._wake is not None
@@ -338,6 +352,8 @@ class AsyncEngine:
                 plan, result.tokens, result.logprobs, result.top_logprobs
             )
         applied = time.monotonic()
+        if not self._num_streaming:  # only whole results are wanted: emit just the ended
+            touched = [req for req in touched if req.finished]
         outputs, pacer = self._outputs, self.pacer
         for req in touched:
             processor = outputs.get(req.request_id)

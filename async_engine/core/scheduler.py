@@ -85,22 +85,23 @@ class Scheduler:
         # The hot loop: every running request, every step. Kept to plain arithmetic.
         bs = self.config.block_size
         running = RequestStatus.RUNNING
+        choose = chosen.append
         for req in list(self.running):
             if req.status is not running:
                 continue  # preempted earlier in this loop
             pending = req.num_tokens + req.num_inflight
             if pending >= req.token_limit:
                 continue  # its last token is in flight: it ends when that is applied
-            n = pending - req.num_computed_tokens
+            computed = req.num_computed_tokens
+            n = pending - computed
             if n > budget:
                 n = budget
             if n <= 0:
                 continue
-            grows = (req.num_computed_tokens + n + bs - 1) // bs > len(req.block_ids)
-            if grows and not self.kv.allocate_slots(req, n):
-                if not self._make_room(req, n, chosen):
+            if (computed + n + bs - 1) // bs > len(req.block_ids):
+                if not self.kv.allocate_slots(req, n) and not self._make_room(req, n, chosen):
                     continue
-            chosen.append((req, n))
+            choose((req, n))
             budget -= n
             if budget == 0:
                 break
@@ -163,16 +164,24 @@ class Scheduler:
         inputs: list[int] = []
         resets: list[int] = []
         new_blocks: list[int] = []
+        requests: list[Request] = []
+        # Bound methods held in locals: this loop runs for every request on every step.
+        add_row, add_start, add_len = rows.append, starts.append, query_lens.append
+        add_sample, add_input, add_request = sample.append, inputs.append, requests.append
         for req, n in chosen:
             start = req.num_computed_tokens
-            end = start + n
             known = req.num_tokens
             row = req.row
-            rows.append(row)
-            starts.append(start)
-            query_lens.append(n)
+            add_row(row)
+            add_start(start)
+            add_len(n)
+            add_request(req)
+            end = start + n
             if start >= known:  # steady decode: the token was sampled by a step in flight
-                inputs += [PLACEHOLDER] * n
+                if n == 1:
+                    add_input(PLACEHOLDER)
+                else:
+                    inputs += [PLACEHOLDER] * n
             elif end <= known:
                 inputs += req.tokens_between(start, end)
             else:
@@ -186,10 +195,10 @@ class Scheduler:
                     new_blocks += (row, block)
                 req.num_sent_blocks = len(req.block_ids)
             if end == known + req.num_inflight:
-                sample.append(True)
+                add_sample(True)
                 req.num_inflight += 1
             else:
-                sample.append(False)
+                add_sample(False)
             req.num_computed_tokens = end
             req.last_launched_step = step_id
         released, self._released_rows = self._released_rows, []
@@ -197,7 +206,7 @@ class Scheduler:
             step_id=step_id, rows=int32s(rows), starts=int32s(starts),
             query_lens=int32s(query_lens), sample=bools(sample), input_ids=int64s(inputs),
             new_rows=new_rows, released_rows=int32s(released), reset_rows=int32s(resets),
-            new_blocks=int32s(new_blocks), requests=[r for r, _ in chosen],
+            new_blocks=int32s(new_blocks), requests=requests,
         )  # fmt: skip
 
     def _blocks_arriving(self) -> int:
@@ -263,8 +272,9 @@ class Scheduler:
         register = self.pool.enable_prefix_cache
         bs = self.config.block_size
         finished = RequestStatus.FINISHED
+        add_touched = touched.append
         row = 0
-        for req, sampled in zip(plan.requests, plan.sample.tolist(), strict=True):
+        for req, sampled in zip(plan.requests, plan.sample.tolist()):
             if not sampled:
                 if register and req.status is not finished:
                     self.kv.register_full_blocks(req)
@@ -277,12 +287,12 @@ class Scheduler:
             req.num_inflight -= 1
             req.output_ids.append(token)
             req.num_tokens += 1
+            req.token_times.append(now)
             if logprobs is not None:
                 req.output_logprobs.append(logprobs[row])
-            if top_logprobs is not None:
-                req.output_top_logprobs.append(top_logprobs[row])
+                if top_logprobs is not None:
+                    req.output_top_logprobs.append(top_logprobs[row])
             row += 1
-            req.token_times.append(now)
             if req.first_token_time is None:
                 req.first_token_time = now
             # Only a step that completes a block has anything to register.
@@ -293,7 +303,7 @@ class Scheduler:
                 if reason is not None:
                     stop = token if reason is FinishReason.STOP else None
                     self.finish(req, reason, stop_reason=stop)
-            touched.append(req)
+            add_touched(req)
         return touched
 
     def fail_step(self, plan: StepPlan) -> list[Request]:
