@@ -50,6 +50,7 @@ class EngineClosedError(RuntimeError):
 
 class AsyncEngine:
     SPIN_BELOW_S = 5e-3  # device steps shorter than this are awaited by polling
+
     def __init__(
         self,
         config: EngineConfig | None = None,

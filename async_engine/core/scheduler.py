@@ -274,7 +274,7 @@ class Scheduler:
         finished = RequestStatus.FINISHED
         add_touched = touched.append
         row = 0
-        for req, sampled in zip(plan.requests, plan.sample.tolist()):
+        for req, sampled in zip(plan.requests, plan.sample.tolist(), strict=True):
             if not sampled:
                 if register and req.status is not finished:
                     self.kv.register_full_blocks(req)
