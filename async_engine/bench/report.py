@@ -42,7 +42,10 @@ def _server_idle(summary: dict[str, Any]) -> str:
     if idle is None or idle != idle:  # absent, or NaN without a metrics port
         return ""
     errors = summary.get("errors", 0)
-    return f" | device idle {idle:.1%}, {summary['completed']} complete, {errors} errors"
+    phases = summary.get("server_phase_ms_per_step") or {}
+    shown = ", ".join(f"{name} {ms:.3f}" for name, ms in phases.items())
+    per_step = f" | server ms/step: {shown}" if shown else ""
+    return f" | device idle {idle:.1%}, {summary['completed']} complete, {errors} errors{per_step}"
 
 
 def write_plot(out: dict[str, Any], path: str, slo: Slo) -> None:

@@ -190,6 +190,7 @@ async def grpc_phase(
             summary = summarize(records, duration, slo)
             summary["abort_lag_s"] = _lag_delta(before, after)
             summary["server_device_idle"] = _idle_delta(before, after)
+            summary["server_phase_ms_per_step"] = _phase_delta(before, after)
             return summary
 
         return await sweep(run_rate, _rates(args), args, slo)
@@ -219,7 +220,8 @@ async def inprocess_phase(
 
 
 def _scrape(port: int | None) -> dict[str, float] | None:
-    """The server's counters this bench differences: abort lag and device busy/idle time."""
+    """The server's counters this bench differences: abort lag, device busy/idle time, steps
+    and control-plane time per phase."""
     if port is None:
         return None
     import urllib.request
@@ -227,7 +229,7 @@ def _scrape(port: int | None) -> dict[str, float] | None:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out = {"lag_sum": 0.0, "lag_count": 0.0, "busy": 0.0, "idle": 0.0}
+    out = {"lag_sum": 0.0, "lag_count": 0.0, "busy": 0.0, "idle": 0.0, "steps": 0.0}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "async_engine:cancellation_lag_seconds_sum":
@@ -236,6 +238,11 @@ def _scrape(port: int | None) -> dict[str, float] | None:
                 out["lag_count"] += sample.value
             elif sample.name == "async_engine:device_seconds_total":
                 out[sample.labels["state"]] += sample.value
+            elif sample.name == "async_engine:steps_total":
+                out["steps"] += sample.value
+            elif sample.name == "async_engine:step_phase_seconds_total":
+                key = "phase:" + sample.labels["phase"]
+                out[key] = out.get(key, 0.0) + sample.value
     return out
 
 
@@ -252,6 +259,20 @@ def _idle_delta(before: dict[str, float] | None, after: dict[str, float] | None)
         return float("nan")
     busy, idle = after["busy"] - before["busy"], after["idle"] - before["idle"]
     return idle / (busy + idle) if busy + idle > 0 else float("nan")
+
+
+def _phase_delta(
+    before: dict[str, float] | None, after: dict[str, float] | None
+) -> dict[str, float]:
+    """Server control-plane ms per step by phase over the run ("wait": on the device)."""
+    if before is None or after is None or after["steps"] <= before["steps"]:
+        return {}
+    steps = after["steps"] - before["steps"]
+    return {
+        key[len("phase:") :]: 1e3 * (value - before.get(key, 0.0)) / steps
+        for key, value in after.items()
+        if key.startswith("phase:")
+    }
 
 
 def _rates(args: argparse.Namespace) -> list[float]:

@@ -102,6 +102,7 @@ class ServerMetrics:
             m + ["phase"],
             registry=reg,
         )
+        self.steps = Counter("async_engine:steps", "Device steps completed", m, registry=reg)
         self.cancel_lag = Histogram(
             "async_engine:cancellation_lag_seconds",
             "From abort to the request's KV blocks back in the pool",
@@ -210,6 +211,7 @@ class ServerMetrics:
             ("wasted", self.wasted, stats.wasted_tokens),
             ("prefix_queries", self.prefix_queries, stats.prefix_cache_queries),
             ("prefix_hits", self.prefix_hits, stats.prefix_cache_hits),
+            ("steps", self.steps, stats.steps),
         ):
             grown = value - self._last_counts.get(key, 0)
             if grown > 0:
