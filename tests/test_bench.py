@@ -30,3 +30,49 @@ def test_one_workload_serves_the_bench_and_the_profiler():
     assert fixed.params().max_tokens == 5 and fixed.params().ignore_eos
     with pytest.raises(ValueError, match="min_prompt"):
         Workload(min_prompt=9, max_prompt=8)
+
+
+def test_full_batch_decode_time_uses_the_largest_decode_batch():
+    import numpy as np
+
+    from async_engine.bench.offline import full_batch_decode_ms
+    from streams.plan import StepPlan
+
+    def plan(step: int, lens: list[int]) -> StepPlan:
+        n = len(lens)
+        return StepPlan(step, np.arange(n), np.zeros(n), np.array(lens), np.ones(n, bool),
+                        np.zeros(sum(lens)))  # fmt: skip
+
+    plans = [plan(0, [5, 7]), plan(1, [1, 1]), plan(2, [1, 1, 1]), plan(3, [1, 1, 1])]
+    spans = [(0, 0.0, 0.5, True), (1, 1.0, 1.010, False), (2, 2.0, 2.004, False),
+             (3, 3.0, 3.006, False)]  # fmt: skip
+    ms, batch = full_batch_decode_ms(plans, spans)
+    assert batch == 3 and ms == pytest.approx(6.0)
+
+
+def test_matmul_only_time_is_measured_on_the_models_shapes(tiny_model: Path):
+    from async_engine.bench.matmul import matmul_only_ms
+
+    assert matmul_only_ms(str(tiny_model), "float32", batch=4, threads=1, reps=3) > 0
+
+
+def test_the_llama_server_peer_runs_the_workload(tmp_path: Path):
+    import sys
+
+    from async_engine.bench.llama_server import run_llama_server
+
+    fake = Path(__file__).with_name("fake_llama_server.py")
+    binary = tmp_path / "llama-server"
+    binary.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{fake}" "$@"\n')
+    binary.chmod(0o755)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    out = run_llama_server(str(binary), str(gguf), [[5, 6, 7]] * 3, max_tokens=4, threads=1)
+    assert out["tokens"] == 12 and out["tokens_per_s"] > 0 and out["slots"] == 3
+
+
+def test_a_missing_peer_is_named():
+    from async_engine.bench.llama_server import PeerMissingError, run_llama_server
+
+    with pytest.raises(PeerMissingError, match="--llama-server"):
+        run_llama_server("/nonexistent/llama-server", "/nonexistent.gguf", [[1]], 1)

@@ -270,11 +270,17 @@ def tiny(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     return folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("decode_bmm", [False, True], ids=["sdpa", "bmm"])
-def test_tiny_logits_match_hf(tiny, decode_bmm: bool) -> None:
+@pytest.mark.parametrize("decode_path", ["kernel", "sdpa", "bmm"])
+def test_tiny_logits_match_hf(tiny, decode_path: str, monkeypatch) -> None:
+    from async_engine.model import cpu_kernels
+
+    if decode_path == "kernel" and not cpu_kernels.available():
+        pytest.skip("no C++ compiler for the CPU kernel")
+    if decode_path != "kernel":  # the torch fallbacks, as on a machine without a compiler
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     folder, hf = tiny
     model = build_model(str(folder), "float32")
-    model.decode_bmm = decode_bmm  # exercise both decode paths in float32
+    model.decode_bmm = decode_path == "bmm"  # exercise every decode path in float32
     gen = torch.Generator().manual_seed(0)
     lengths = [11, 19, 28]
     tokens = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in lengths]

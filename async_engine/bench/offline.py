@@ -44,6 +44,17 @@ def decode_steps(plans: list[Any]) -> set[int]:
     return {p.step_id for p in plans if len(p.query_lens) and p.query_lens.max() == 1}
 
 
+def full_batch_decode_ms(plans: list[Any], spans: Any) -> tuple[float, int]:
+    """Median device ms of the decode steps at the run's largest batch, and that batch."""
+    decode = [p for p in plans if len(p.query_lens) and p.query_lens.max() == 1]
+    if not decode:
+        return float("nan"), 0
+    batch = max(p.batch_size for p in decode)
+    wanted = {p.step_id for p in decode if p.batch_size == batch}
+    times = sorted(end - start for step, start, end, _ in spans if step in wanted)
+    return (1e3 * times[len(times) // 2] if times else float("nan")), batch
+
+
 def run_engine(options: dict[str, Any], prompts: list[list[int]], max_tokens: int, overlap: bool,
                roofline: bool) -> dict[str, float]:  # fmt: skip
     from async_engine.core.llm import LLM
@@ -69,6 +80,7 @@ def run_engine(options: dict[str, Any], prompts: list[list[int]], max_tokens: in
             "idle_fraction": engine.timeline.idle_fraction(),
             "steady_decode_idle": engine.timeline.idle_fraction(only=decode_steps(plans)),
             "wasted_tokens": engine.scheduler.wasted_tokens,
+            "full_decode": full_batch_decode_ms(plans, engine.timeline.spans),
             # Control-plane time per step, by phase ("wait" is time blocked on the device).
             "phase_ms_per_step": {
                 name: 1e3 * seconds / max(1, len(plans))
@@ -122,6 +134,8 @@ def compare_modes(
         "on_steady_decode_idle": _mean(on, "steady_decode_idle"),
         "off_steady_decode_idle": _mean(off, "steady_decode_idle"),
         "on_wasted_tokens": on[0]["wasted_tokens"],
+        "full_decode_ms": on[0]["full_decode"][0],
+        "full_decode_batch": on[0]["full_decode"][1],
         "on_idle": _mean(on, "idle_fraction"),
         "off_idle": _mean(off, "idle_fraction"),
         "on_ms_per_step": _mean(on, "seconds") * 1e3 / on[0]["steps"],
@@ -169,18 +183,48 @@ def cmd_offline(args: argparse.Namespace) -> int:
             results[f"device_threads={threads}"] = compare_modes(
                 {**options, "device_threads": threads}, prompts, work.max_tokens, args.rounds
             )
+    if not simulated:
+        from async_engine.bench.matmul import matmul_only_ms
+
+        for name, r in results.items():
+            threads = int(name.split("=")[1])
+            r["matmul_only_ms"] = matmul_only_ms(str(folder), dtype, r["full_decode_batch"],
+                                                 threads)  # fmt: skip
     hf = None
     if not (args.skip_hf or simulated):
         hf = run_hf(str(folder), dtype, prompts, work.max_tokens)
-    print_table(results, hf, roofline="device-bound ideal" if simulated else "roofline")
+    peer = run_peer(args, prompts, work.max_tokens)
+    print_table(results, hf, roofline="device-bound ideal" if simulated else "roofline",
+                peer=peer)  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"engine": results, "hf": hf}, f, indent=2)
+            json.dump({"engine": results, "hf": hf, "llama_server": peer}, f, indent=2)
     return 0
 
 
+def run_peer(
+    args: argparse.Namespace, prompts: list[list[int]], max_tokens: int
+) -> dict[str, Any] | None:
+    """llama-server on the same workload, when --llama-server and --gguf name one."""
+    from async_engine.bench.llama_server import PeerMissingError, run_llama_server
+
+    if args.llama_server is None and args.gguf is None:
+        return None
+    if args.llama_server is None or args.gguf is None:
+        print("llama-server peer skipped: give both --llama-server PATH and --gguf FILE")
+        return None
+    try:
+        return run_llama_server(args.llama_server, args.gguf, prompts, max_tokens)
+    except PeerMissingError as exc:
+        print(f"llama-server peer skipped: {exc} (../shared/peers/ builds both)")
+        return None
+
+
 def print_table(
-    results: dict[str, Any], hf: dict[str, float] | None, roofline: str = "roofline"
+    results: dict[str, Any],
+    hf: dict[str, float] | None,
+    roofline: str = "roofline",
+    peer: dict[str, Any] | None = None,
 ) -> None:
     cols = list(results)
     width = max(24, *(len(c) + 2 for c in cols))
@@ -201,6 +245,9 @@ def print_table(
     )
     if hf is not None:
         row("overlap on / HF", ".2f", [r["on_tokens_per_s"] / hf["tokens_per_s"] for r in get])
+    if peer is not None:
+        ratios = [r["on_tokens_per_s"] / peer["tokens_per_s"] for r in get]
+        row("overlap on / llama-server", ".2f", ratios)
     row("steady-decode idle, on", ".2%", [r["on_steady_decode_idle"] for r in get])
     row("steady-decode idle, off", ".2%", [r["off_steady_decode_idle"] for r in get])
     row("device idle, on", ".2%", [r["on_idle"] for r in get])
@@ -217,8 +264,16 @@ def print_table(
             values = [r[f"{mode}_phase_ms"].get(phase, 0.0) for r in get]
             row(f"  {phase} ms/step, {mode}", ".3f", values)
     row("wasted tokens, on", "d", [r["on_wasted_tokens"] for r in get])
+    if all("matmul_only_ms" in r for r in get):
+        row("full-batch decode, batch", "d", [r["full_decode_batch"] for r in get])
+        row("  device step ms", ".2f", [r["full_decode_ms"] for r in get])
+        row("  matmul-only ms", ".2f", [r["matmul_only_ms"] for r in get])
+        row("  step / matmul-only", ".2f", [r["full_decode_ms"] / r["matmul_only_ms"] for r in get])
     if hf is not None:
         print(f"HF transformers generate_batch: {hf['tokens_per_s']:.1f} tokens/s")
+    if peer is not None:
+        print(f"llama-server ({peer['threads']} threads, -np {peer['slots']} -cb): "
+              f"{peer['tokens_per_s']:.1f} tokens/s")  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -229,4 +284,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--rounds", type=int, default=2, help="interleaved runs per mode")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--llama-server", default=None, help="llama-server binary: run it as a peer")
+    p.add_argument("--gguf", default=None, help="GGUF of the same model for --llama-server")
     p.add_argument("--json", default=None, help="write the figures to this file")

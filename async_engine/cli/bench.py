@@ -1,10 +1,10 @@
-"""`async-engine bench offline|serve`: benchmarks, not tests."""
+"""`async-engine bench offline|serve|prefill`: benchmarks, not tests."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from async_engine.bench import offline, serve
+from async_engine.bench import offline, prefill, serve
 from async_engine.cli.options import add_engine_args
 
 
@@ -21,3 +21,7 @@ def add_parser(sub: Any) -> None:
     add_engine_args(p)
     serve.add_arguments(p)
     p.set_defaults(func=serve.cmd_serve_bench)
+    p = kinds.add_parser("prefill", help="one long prompt's prefill speed (vs llama-bench)")
+    add_engine_args(p)
+    prefill.add_arguments(p)
+    p.set_defaults(func=prefill.cmd_prefill)

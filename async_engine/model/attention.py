@@ -13,6 +13,8 @@ import torch.nn.functional as F
 
 from streams.batch import ForwardBatch
 
+from . import cpu_kernels
+
 
 @dataclass(slots=True)
 class Prefill:
@@ -26,6 +28,16 @@ class Prefill:
 
 
 @dataclass(slots=True)
+class PagedPrefill:
+    """Every prefill sequence of the step, for the CPU kernel that reads the cache in place."""
+
+    block_tables: torch.Tensor  # [S, blocks the longest context needs] int64
+    q_starts: torch.Tensor  # [S] int64: each sequence's first row in the batch
+    q_lens: torch.Tensor  # [S] int64
+    context_lens: torch.Tensor  # [S] int64
+
+
+@dataclass(slots=True)
 class AttentionPlan:
     num_tokens: int
     # Decode sequences (query_len == 1) run as one batched call.
@@ -36,9 +48,21 @@ class AttentionPlan:
     decode_mask: torch.Tensor | None
     decode_bmm: bool  # bmm path instead of SDPA (see _decode)
     prefills: list[Prefill]
+    # The CPU kernel reads the paged cache in place; then decode_mask is unused and these are
+    # the decode sequences' context lengths (int64 [Bd]).
+    decode_lens: torch.Tensor | None = None
+    paged_prefill: PagedPrefill | None = None  # set: prefills run in the CPU kernel, in one call
 
     @classmethod
-    def build(cls, batch: ForwardBatch, block_size: int, decode_bmm: bool) -> AttentionPlan:
+    def build(
+        cls,
+        batch: ForwardBatch,
+        block_size: int,
+        decode_bmm: bool,
+        cache: torch.Tensor | None = None,
+    ) -> AttentionPlan:
+        """``cache`` (a layer's K cache: its size, dtype and device) lets the CPU kernels read
+        the paged cache in place where they apply."""
         q_lens, ctx_lens = batch.query_lens, batch.context_lens
         if not len(q_lens) == len(ctx_lens) == batch.block_tables.shape[0]:
             raise ValueError(
@@ -46,7 +70,11 @@ class AttentionPlan:
                 f"{batch.block_tables.shape[0]} block_tables rows: one each per sequence"
             )
         device = batch.block_tables.device
-        starts, decode, prefills = [], [], []
+        kernel_cache = cache if cache is not None and _kernels_apply(cache) else None
+        in_kernel = kernel_cache is not None and cpu_kernels.prefill_supported(
+            kernel_cache.dtype, kernel_cache.shape[-1]
+        )
+        starts, decode, prefills, in_kernel_rows = [], [], [], []
         start = 0
         for i, (q, ctx) in enumerate(zip(q_lens, ctx_lens, strict=True)):
             if q < 1 or ctx < q:
@@ -54,13 +82,18 @@ class AttentionPlan:
             starts.append(start)
             if q == 1:
                 decode.append(i)
+            elif in_kernel:
+                in_kernel_rows.append(i)
             else:
                 prefills.append(_prefill(batch, i, start, q, ctx, block_size))
             start += q
         if start != batch.input_ids.shape[0]:
             raise ValueError(f"query_lens sum to {start}, batch has {batch.input_ids.shape[0]}")
+        paged = None
+        if in_kernel_rows:
+            paged = _paged_prefill(batch, in_kernel_rows, starts, block_size, kernel_cache)
 
-        rows = blocks = mask = None
+        rows = blocks = mask = kernel_lens = None
         if decode:
             d_ctx = [ctx_lens[i] for i in decode]
             num_blocks = -(-max(d_ctx) // block_size)
@@ -72,14 +105,51 @@ class AttentionPlan:
                 rows = torch.tensor([starts[i] for i in decode], device=device)
                 blocks = batch.block_tables[torch.tensor(decode, device=device), :num_blocks]
             span = num_blocks * block_size
-            if min(d_ctx) < span:
+            if kernel_cache is not None:
+                _check_block_ids(blocks, kernel_cache.shape[0])
+                blocks = blocks.contiguous()  # once here, not in every layer
+                kernel_lens = torch.tensor(d_ctx, dtype=torch.int64)
+            elif min(d_ctx) < span:
                 lens = torch.tensor(d_ctx, device=device)
                 valid = (torch.arange(span, device=device) < lens[:, None]).view(-1, 1, 1, span)
                 if decode_bmm:
                     mask = torch.zeros(valid.shape, device=device).masked_fill_(~valid, -torch.inf)
                 else:
                     mask = valid
-        return cls(start, rows, blocks, mask, decode_bmm, prefills)
+        return cls(start, rows, blocks, mask, decode_bmm, prefills, kernel_lens, paged)
+
+
+def _kernels_apply(cache: torch.Tensor) -> bool:
+    """Whether the CPU kernels can read this cache in place."""
+    return (
+        cache.device.type == "cpu"
+        and cache.dtype in cpu_kernels.KERNEL_DTYPES
+        and cpu_kernels.available()
+    )
+
+
+def _check_block_ids(blocks: torch.Tensor, cache_blocks: int) -> None:
+    """The kernels trust their block ids, so they are checked here, once per step."""
+    if blocks.numel() and not 0 <= int(blocks.min()) <= int(blocks.max()) < cache_blocks:
+        raise ValueError(f"block ids must lie in [0, {cache_blocks})")
+
+
+def _paged_prefill(
+    batch: ForwardBatch, seqs: list[int], starts: list[int], block_size: int, cache: torch.Tensor
+) -> PagedPrefill:
+    ctx = [batch.context_lens[i] for i in seqs]
+    width = -(-max(ctx) // block_size)
+    if width > batch.block_tables.shape[1]:
+        raise ValueError(f"context {max(ctx)} needs more blocks than block_tables has")
+    index = torch.tensor(seqs)
+    tables = batch.block_tables[index, :width].to(torch.int64).contiguous()
+    _check_block_ids(tables, cache.shape[0])
+
+    def int64s(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64)
+
+    q_lens = [batch.query_lens[i] for i in seqs]
+    return PagedPrefill(tables, int64s([starts[i] for i in seqs]), int64s(q_lens), int64s(ctx))
 
 
 def _prefill(batch: ForwardBatch, i: int, start: int, q: int, ctx: int, block_size: int) -> Prefill:
@@ -118,6 +188,10 @@ def paged_attention(
             return decoded
 
     result = q.new_empty(plan.num_tokens, width)
+    if plan.paged_prefill is not None:
+        p = plan.paged_prefill
+        cpu_kernels.paged_prefill(q.contiguous(), k_cache, v_cache, p.block_tables, p.q_starts,
+                                  p.q_lens, p.context_lens, result.view(q.shape))  # fmt: skip
     if decoded is not None:
         result[plan.decode_rows] = decoded
     for p in plan.prefills:
@@ -150,7 +224,10 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 def _decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan
 ) -> torch.Tensor:
-    """One query per sequence, all sequences at once; returns [B, KV, G, D]."""
+    """One query per sequence, all sequences at once; returns [B, KV, G, D] (or, from the
+    CPU kernel, the same memory as [B, H, D])."""
+    if plan.decode_lens is not None:
+        return cpu_kernels.paged_decode(q, k_cache, v_cache, plan.decode_blocks, plan.decode_lens)
     batch, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     # The G query heads sharing a KV head act as G query rows against it: GQA without

@@ -17,6 +17,7 @@ from torch import nn
 
 from streams.batch import ForwardBatch
 
+from . import cpu_kernels
 from .attention import AttentionPlan, paged_attention
 from .config import ModelConfig
 
@@ -118,18 +119,25 @@ class DecoderLayer(nn.Module):
         plan: AttentionPlan,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv = linear(rms_norm(x, self.input_norm, self.eps), self.qkv, self.qkv_bias)
+        fused = cpu_kernels.elementwise_apply(x)  # bf16 on CPU: one pass per elementwise op
+        norm = cpu_kernels.rms_norm if fused else rms_norm
+        qkv = linear(norm(x, self.input_norm, self.eps), self.qkv, self.qkv_bias)
         qk = qkv[:, : self.qk_heads * self.head_dim].view(tokens, self.qk_heads, self.head_dim)
         if self.qk_norm is not None:
             qk = rms_norm(qk, self.qk_norm, self.eps)
-        # rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]: one op instead of slice+neg+cat.
-        qk = qk * cos + torch.roll(qk, self.head_dim // 2, -1) * sin
+        if fused and qk.stride(1) == self.head_dim:
+            qk = cpu_kernels.rope(qk, cos[:, 0], sin[:, 0])
+        else:
+            # rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]: one op, not slice+neg+cat.
+            qk = qk * cos + torch.roll(qk, self.head_dim // 2, -1) * sin
         v = qkv[:, self.qk_heads * self.head_dim :].view(tokens, self.num_kv_heads, self.head_dim)
         attn = paged_attention(
             qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv[0], kv[1], slot_mapping, plan
         )
         x = x + linear(attn, self.o_proj)
-        gate_up = linear(rms_norm(x, self.post_norm, self.eps), self.gate_up)
+        gate_up = linear(norm(x, self.post_norm, self.eps), self.gate_up)
+        if fused:
+            return x + linear(cpu_kernels.silu_mul(gate_up), self.down)
         return x + linear(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :], self.down)
 
 
@@ -167,7 +175,8 @@ class LlamaModel(nn.Module):
         """Float32 logits [S, vocab] for the rows in ``batch.logits_indices``."""
         if len(kv_cache) != len(self.layers):
             raise ValueError(f"kv_cache has {len(kv_cache)} layers, model has {len(self.layers)}")
-        plan = AttentionPlan.build(batch, kv_cache[0][0].shape[1], self.decode_bmm)
+        k_cache = kv_cache[0][0]
+        plan = AttentionPlan.build(batch, k_cache.shape[1], self.decode_bmm, k_cache)
         cos, sin = self._rope(batch.positions)
         x = F.embedding(batch.input_ids, self.embed)
         for layer, kv in zip(self.layers, kv_cache, strict=True):

@@ -1,0 +1,223 @@
+// Causal attention for prefill chunks over the paged KV cache, bf16, for the CPU device.
+//
+// A flash-attention loop: each task takes up to 32 query tokens of one sequence and the G
+// query heads of one KV head (so 32 G query rows share every K/V tile it builds), walks the
+// keys in tiles of 16 up to its last query's position, and keeps a running max, sum and
+// float32 output per row (online softmax). Both products use _mm512_dpbf16_ps with keys on
+// the vector lanes, so no dot product needs a horizontal sum:
+//   scores[16 keys] += K^T[dim pair] * q[dim pair]  (K tile transposed once per task tile)
+//   out[16 dims]    += V[key pair]   * p[key pair]  (V tile key-interleaved once)
+// The step's own K/V were written to the cache before the call, so a chunk after a cached
+// prefix and a fresh prompt take the same path.
+//
+// Layouts: q and out [T, H, D] (the step's packed tokens); caches [blocks, block_size, KV, D];
+// block_tables [S, max_blocks]; per sequence its first token's row in q (q_starts), its
+// query count (q_lens) and its context length after this step (ctx_lens).
+#include <vector>
+
+#include "bf16.h"
+
+namespace {
+using namespace kernels;
+
+#if defined(KERNELS_BF16_FAST)
+constexpr int TILE = 16;   // keys per tile
+constexpr int QTILE = 32;  // query tokens per task: each K/V tile built serves 32 G rows
+
+// exp over 16 lanes (x <= 0), the scalar fast_exp's polynomial in vector form.
+inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i bits = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+inline __m512bh kt_vec(const uint32_t* p) { return (__m512bh)_mm512_load_si512(p); }
+inline __m512bh q_pair(uint32_t pair) {
+    return (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+}
+
+struct Seq {
+    int64_t q_start, q_len, ctx;
+    const int64_t* table;
+};
+
+template <int DV>
+void prefill_task(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                  const Seq& seq, int kvh, int64_t t0, int heads, int kv_heads,
+                  int block_size, float scale, uint16_t* out) {
+    constexpr int D = 16 * DV;
+    constexpr int RB = DV <= 4 ? 4 : 2;  // rows interleaved: their accumulators fit registers
+    const int group = heads / kv_heads;
+    const int64_t row_width = static_cast<int64_t>(kv_heads) * D;
+    const int64_t block_stride = row_width * block_size;
+    const int64_t tokens = seq.q_len - t0 < QTILE ? seq.q_len - t0 : QTILE;
+    const int64_t first_pos = seq.ctx - seq.q_len + t0;  // absolute position of token t0
+    const int rows = static_cast<int>(tokens) * group;   // row r: token r / group, head r % group
+
+    std::vector<float> acc(static_cast<size_t>(rows) * D, 0.0f);
+    std::vector<float> top(rows, -INFINITY), sum(rows, 0.0f);
+    alignas(64) uint32_t kt[D / 2][TILE];      // K^T: dim pair j of key i at kt[j][i]
+    alignas(64) uint32_t vp[TILE / 2][D];      // V key pairs: (key 2k, 2k+1) at dim d
+    const int64_t last_key = first_pos + tokens - 1;
+
+    for (int64_t k0 = 0; k0 <= last_key; k0 += TILE) {
+        const int nk = static_cast<int>(last_key + 1 - k0 < TILE ? last_key + 1 - k0 : TILE);
+        for (int i = 0; i < TILE; ++i) {
+            const int64_t key = k0 + (i < nk ? i : nk - 1);  // pad with a real row (masked)
+            const int64_t at = seq.table[key / block_size] * block_stride +
+                               (key % block_size) * row_width + static_cast<int64_t>(kvh) * D;
+            const uint32_t* krow = reinterpret_cast<const uint32_t*>(k_cache + at);
+            for (int j = 0; j < D / 2; ++j) kt[j][i] = krow[j];
+            const uint16_t* vrow = v_cache + at;
+            uint16_t* dst = reinterpret_cast<uint16_t*>(vp[i / 2]) + (i % 2);
+            for (int d = 0; d < D; ++d) dst[2 * d] = vrow[d];
+        }
+        // RB rows at a time, their steps interleaved: one row alone is a chain of dependent
+        // instructions (dot products, max, exp, sum, then the P.V products) that leaves the
+        // core waiting on latency; RB independent chains fill it.
+        for (int r0 = 0; r0 < rows; r0 += RB) {
+            const uint32_t* qrow[RB];
+            __mmask16 valid[RB];
+            int pairs = 0;
+            bool any = false;
+            for (int i = 0; i < RB; ++i) {
+                const int r = r0 + i < rows ? r0 + i : r0;  // past the end: a masked copy
+                const int64_t t = r / group;  // rows run token-major: r = t * group + g
+                const int h = kvh * group + (r - static_cast<int>(t) * group);
+                const int64_t pos = first_pos + t;
+                int visible = static_cast<int>(pos - k0 + 1 < nk ? pos - k0 + 1 : nk);
+                if (r0 + i >= rows || pos < k0) visible = 0;  // nothing here for this row
+                valid[i] = static_cast<__mmask16>((1u << visible) - 1);
+                pairs = (visible + 1) / 2 > pairs ? (visible + 1) / 2 : pairs;
+                any = any || visible > 0;
+                qrow[i] =
+                    reinterpret_cast<const uint32_t*>(q + ((seq.q_start + t0 + t) * heads + h) * D);
+            }
+            if (!any) continue;
+            __m512 s[RB][2];
+            for (int i = 0; i < RB; ++i) s[i][0] = s[i][1] = _mm512_setzero_ps();
+            for (int j = 0; j < D / 2; j += 2) {
+                const __m512bh k0v = kt_vec(kt[j]), k1v = kt_vec(kt[j + 1]);
+                for (int i = 0; i < RB; ++i) {
+                    s[i][0] = _mm512_dpbf16_ps(s[i][0], k0v, q_pair(qrow[i][j]));
+                    s[i][1] = _mm512_dpbf16_ps(s[i][1], k1v, q_pair(qrow[i][j + 1]));
+                }
+            }
+            __m512bh pp_all[RB][TILE / 2];  // each row's probabilities, as bf16 key pairs
+            float alpha[RB];
+            for (int i = 0; i < RB; ++i) {
+                const int r = r0 + i;
+                __m512 si = _mm512_mul_ps(_mm512_add_ps(s[i][0], s[i][1]), _mm512_set1_ps(scale));
+                si = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[i], si);
+                if (!valid[i]) {
+                    alpha[i] = 1.0f;
+                    for (int kp = 0; kp < TILE / 2; ++kp) pp_all[i][kp] = (__m512bh)_mm512_setzero_si512();
+                    continue;
+                }
+                const float m_new = std::fmax(top[r], _mm512_reduce_max_ps(si));
+                const __m512 p =
+                    _mm512_maskz_mov_ps(valid[i], exp16(_mm512_sub_ps(si, _mm512_set1_ps(m_new))));
+                alpha[i] = top[r] == -INFINITY ? 0.0f : fast_exp(top[r] - m_new);
+                sum[r] = sum[r] * alpha[i] + _mm512_reduce_add_ps(p);
+                top[r] = m_new;
+                alignas(32) uint32_t ppair[TILE / 2];
+                _mm256_store_si256(reinterpret_cast<__m256i*>(ppair), (__m256i)_mm512_cvtneps_pbh(p));
+                for (int kp = 0; kp < TILE / 2; ++kp) pp_all[i][kp] = q_pair(ppair[kp]);
+            }
+            __m512 o[RB][DV];
+            for (int i = 0; i < RB; ++i) {
+                const float* ar = acc.data() + static_cast<int64_t>(r0 + i < rows ? r0 + i : r0) * D;
+                for (int c = 0; c < DV; ++c) {
+                    o[i][c] = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * c), _mm512_set1_ps(alpha[i]));
+                }
+            }
+            for (int kp = 0; kp < pairs; ++kp) {
+                for (int c = 0; c < DV; ++c) {
+                    const __m512bh v = kt_vec(&vp[kp][16 * c]);
+                    for (int i = 0; i < RB; ++i) o[i][c] = _mm512_dpbf16_ps(o[i][c], v, pp_all[i][kp]);
+                }
+            }
+            for (int i = 0; i < RB && r0 + i < rows; ++i) {
+                if (!valid[i]) continue;
+                float* ar = acc.data() + static_cast<int64_t>(r0 + i) * D;
+                for (int c = 0; c < DV; ++c) _mm512_storeu_ps(ar + 16 * c, o[i][c]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; ++r) {
+        const int64_t t = r / group;
+        const int h = kvh * group + r % group;
+        const __m512 inv = _mm512_set1_ps(1.0f / sum[r]);
+        uint16_t* orow = out + ((seq.q_start + t0 + t) * heads + h) * D;
+        for (int c = 0; c < DV; ++c) {
+            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(acc.data() + r * D + 16 * c), inv);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + 16 * c),
+                                (__m256i)_mm512_cvtneps_pbh(x));
+        }
+    }
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// 1 where paged_prefill_bf16 runs for this head_dim on this build, else 0.
+int paged_prefill_supported(int head_dim) {
+#if defined(KERNELS_BF16_FAST)
+    return head_dim == 64 || head_dim == 128;
+#else
+    (void)head_dim;
+    return 0;
+#endif
+}
+
+void paged_prefill_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                        const int64_t* block_tables, int64_t max_blocks, const int64_t* q_starts,
+                        const int64_t* q_lens, const int64_t* ctx_lens, int num_seqs, int heads,
+                        int kv_heads, int head_dim, int block_size, float scale, uint16_t* out) {
+#if defined(KERNELS_BF16_FAST)
+    struct Task {
+        int seq, kvh;
+        int64_t t0;
+    };
+    std::vector<Seq> seqs(num_seqs);
+    std::vector<Task> tasks;
+    for (int s = 0; s < num_seqs; ++s) {
+        seqs[s] = {q_starts[s], q_lens[s], ctx_lens[s], block_tables + s * max_blocks};
+        // Longest first (the last tokens see the most keys), so the threads finish together.
+        for (int64_t t0 = (q_lens[s] - 1) / QTILE * QTILE; t0 >= 0; t0 -= QTILE)
+            for (int kvh = 0; kvh < kv_heads; ++kvh) tasks.push_back({s, kvh, t0});
+    }
+    const int64_t n = static_cast<int64_t>(tasks.size());
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) {
+        const Task& task = tasks[i];
+        if (head_dim == 64) {
+            prefill_task<4>(q, k_cache, v_cache, seqs[task.seq], task.kvh, task.t0, heads,
+                            kv_heads, block_size, scale, out);
+        } else {
+            prefill_task<8>(q, k_cache, v_cache, seqs[task.seq], task.kvh, task.t0, heads,
+                            kv_heads, block_size, scale, out);
+        }
+    }
+#else
+    (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)max_blocks;
+    (void)q_starts, (void)q_lens, (void)ctx_lens, (void)num_seqs, (void)heads;
+    (void)kv_heads, (void)head_dim, (void)block_size, (void)scale, (void)out;
+#endif
+}
+
+}  // extern "C"
