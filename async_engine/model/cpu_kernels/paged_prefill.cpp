@@ -2,7 +2,7 @@
 //
 // A flash-attention loop: each task takes up to 32 query tokens of one sequence and the G
 // query heads of one KV head (so 32 G query rows share every K/V tile it builds), walks the
-// keys in tiles of 16 up to its last query's position, and keeps a running max, sum and
+// keys in tiles of 32 up to its last query's position, and keeps a running max, sum and
 // float32 output per row (online softmax). Both products use _mm512_dpbf16_ps with keys on
 // the vector lanes, so no dot product needs a horizontal sum:
 //   scores[16 keys] += K^T[dim pair] * q[dim pair]  (K tile transposed once per task tile)
@@ -21,7 +21,7 @@ namespace {
 using namespace kernels;
 
 #if defined(KERNELS_BF16_FAST)
-constexpr int TILE = 16;   // keys per tile
+constexpr int TILE = 32;   // keys per tile: two vectors of 16 lanes
 constexpr int QTILE = 32;  // query tokens per task: each K/V tile built serves 32 G rows
 
 // exp over 16 lanes (x <= 0), the scalar fast_exp's polynomial in vector form.
@@ -89,7 +89,7 @@ void prefill_task(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
         // core waiting on latency; RB independent chains fill it.
         for (int r0 = 0; r0 < rows; r0 += RB) {
             const uint32_t* qrow[RB];
-            __mmask16 valid[RB];
+            __mmask16 valid[RB][2];  // keys 0-15 and 16-31 of the tile
             int pairs = 0;
             bool any = false;
             for (int i = 0; i < RB; ++i) {
@@ -99,42 +99,46 @@ void prefill_task(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
                 const int64_t pos = first_pos + t;
                 int visible = static_cast<int>(pos - k0 + 1 < nk ? pos - k0 + 1 : nk);
                 if (r0 + i >= rows || pos < k0) visible = 0;  // nothing here for this row
-                valid[i] = static_cast<__mmask16>((1u << visible) - 1);
+                const uint32_t bits = visible >= 32 ? 0xffffffffu : (1u << visible) - 1;
+                valid[i][0] = static_cast<__mmask16>(bits);
+                valid[i][1] = static_cast<__mmask16>(bits >> 16);
                 pairs = (visible + 1) / 2 > pairs ? (visible + 1) / 2 : pairs;
                 any = any || visible > 0;
                 qrow[i] =
                     reinterpret_cast<const uint32_t*>(q + ((seq.q_start + t0 + t) * heads + h) * D);
             }
             if (!any) continue;
+            // Scores of RB rows against 32 keys: per dim pair, two K^T vectors serve RB rows.
             __m512 s[RB][2];
             for (int i = 0; i < RB; ++i) s[i][0] = s[i][1] = _mm512_setzero_ps();
-            for (int j = 0; j < D / 2; j += 2) {
-                const __m512bh k0v = kt_vec(kt[j]), k1v = kt_vec(kt[j + 1]);
+            for (int j = 0; j < D / 2; ++j) {
+                const __m512bh lo = kt_vec(kt[j]), hi = kt_vec(kt[j] + 16);
                 for (int i = 0; i < RB; ++i) {
-                    s[i][0] = _mm512_dpbf16_ps(s[i][0], k0v, q_pair(qrow[i][j]));
-                    s[i][1] = _mm512_dpbf16_ps(s[i][1], k1v, q_pair(qrow[i][j + 1]));
+                    const __m512bh qj = q_pair(qrow[i][j]);
+                    s[i][0] = _mm512_dpbf16_ps(s[i][0], lo, qj);
+                    s[i][1] = _mm512_dpbf16_ps(s[i][1], hi, qj);
                 }
             }
-            __m512bh pp_all[RB][TILE / 2];  // each row's probabilities, as bf16 key pairs
+            alignas(64) uint32_t ppair[RB][TILE / 2];  // each row's probabilities, bf16 pairs
             float alpha[RB];
             for (int i = 0; i < RB; ++i) {
                 const int r = r0 + i;
-                __m512 si = _mm512_mul_ps(_mm512_add_ps(s[i][0], s[i][1]), _mm512_set1_ps(scale));
-                si = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[i], si);
-                if (!valid[i]) {
+                if (!(valid[i][0] | valid[i][1])) {
                     alpha[i] = 1.0f;
-                    for (int kp = 0; kp < TILE / 2; ++kp) pp_all[i][kp] = (__m512bh)_mm512_setzero_si512();
+                    for (int kp = 0; kp < TILE / 2; ++kp) ppair[i][kp] = 0;
                     continue;
                 }
-                const float m_new = std::fmax(top[r], _mm512_reduce_max_ps(si));
-                const __m512 p =
-                    _mm512_maskz_mov_ps(valid[i], exp16(_mm512_sub_ps(si, _mm512_set1_ps(m_new))));
+                const __m512 neg = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
+                const __m512 a = _mm512_mask_mov_ps(neg, valid[i][0], _mm512_mul_ps(s[i][0], sc));
+                const __m512 b = _mm512_mask_mov_ps(neg, valid[i][1], _mm512_mul_ps(s[i][1], sc));
+                const float m_new = std::fmax(top[r], _mm512_reduce_max_ps(_mm512_max_ps(a, b)));
+                const __m512 m = _mm512_set1_ps(m_new);
+                const __m512 pa = _mm512_maskz_mov_ps(valid[i][0], exp16(_mm512_sub_ps(a, m)));
+                const __m512 pb = _mm512_maskz_mov_ps(valid[i][1], exp16(_mm512_sub_ps(b, m)));
                 alpha[i] = top[r] == -INFINITY ? 0.0f : fast_exp(top[r] - m_new);
-                sum[r] = sum[r] * alpha[i] + _mm512_reduce_add_ps(p);
+                sum[r] = sum[r] * alpha[i] + _mm512_reduce_add_ps(_mm512_add_ps(pa, pb));
                 top[r] = m_new;
-                alignas(32) uint32_t ppair[TILE / 2];
-                _mm256_store_si256(reinterpret_cast<__m256i*>(ppair), (__m256i)_mm512_cvtneps_pbh(p));
-                for (int kp = 0; kp < TILE / 2; ++kp) pp_all[i][kp] = q_pair(ppair[kp]);
+                _mm512_store_si512(ppair[i], (__m512i)_mm512_cvtne2ps_pbh(pb, pa));
             }
             __m512 o[RB][DV];
             for (int i = 0; i < RB; ++i) {
@@ -144,13 +148,15 @@ void prefill_task(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
                 }
             }
             for (int kp = 0; kp < pairs; ++kp) {
+                __m512bh pp[RB];
+                for (int i = 0; i < RB; ++i) pp[i] = q_pair(ppair[i][kp]);
                 for (int c = 0; c < DV; ++c) {
                     const __m512bh v = kt_vec(&vp[kp][16 * c]);
-                    for (int i = 0; i < RB; ++i) o[i][c] = _mm512_dpbf16_ps(o[i][c], v, pp_all[i][kp]);
+                    for (int i = 0; i < RB; ++i) o[i][c] = _mm512_dpbf16_ps(o[i][c], v, pp[i]);
                 }
             }
             for (int i = 0; i < RB && r0 + i < rows; ++i) {
-                if (!valid[i]) continue;
+                if (!(valid[i][0] | valid[i][1])) continue;
                 float* ar = acc.data() + static_cast<int64_t>(r0 + i) * D;
                 for (int c = 0; c < DV; ++c) _mm512_storeu_ps(ar + 16 * c, o[i][c]);
             }
