@@ -1,4 +1,4 @@
-"""CUDA kernels from ``cuda/*.cu``, compiled at run time with CuPy RawModule.
+"""CUDA kernels from ``cuda/*.cu``, compiled at run time by NVRTC through CuPy's RawModule.
 
 Import-safe everywhere: cupy is imported only when a kernel is first asked for.
 """
@@ -20,7 +20,8 @@ def _module(name: str) -> Any:
     import cupy
 
     source = (CUDA_DIR / f"{name}.cu").read_text()
-    return cupy.RawModule(code=source, backend="nvcc", options=("-std=c++17",))
+    # NVRTC (CuPy's default backend) compiles at run time without a CUDA toolkit installed.
+    return cupy.RawModule(code=source, options=("-std=c++17",))
 
 
 def _ptr(t: torch.Tensor) -> int:

@@ -205,3 +205,49 @@ def test_fused_rope_equals_the_roll_formula():
     got = cpu_kernels.rope(x, cos, sin)
     assert got.is_contiguous()
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+
+
+@prefill_kernel
+def test_the_default_model_in_bf16_gives_the_same_logits_with_and_without_kernels(
+    default_model: Path, monkeypatch
+):
+    """The kernels' fast paths (head_dim 64) inside the real model: a chunked prefill after a
+    cached prefix, a fresh prefill and decodes, against the torch path on the same cache."""
+    from async_engine.model import build_model
+
+    model = build_model(str(default_model), "bfloat16")
+    gen = torch.Generator().manual_seed(3)
+    block = 16
+    prompts = [torch.randint(100, 40000, (n,), generator=gen).tolist() for n in (70, 45)]
+    tables = torch.tensor([[3, 7, 1, 9, 12, 4], [5, 2, 8, 11, 0, 6]])
+
+    def batch(chunks: list[tuple[int, int, int]]) -> ForwardBatch:
+        ids, pos, slots = [], [], []
+        for seq, start, n in chunks:
+            for p in range(start, start + n):
+                ids.append(prompts[seq][p])
+                pos.append(p)
+                slots.append(int(tables[seq, p // block]) * block + p % block)
+        lens = [n for _, _, n in chunks]
+        return ForwardBatch(
+            input_ids=torch.tensor(ids), positions=torch.tensor(pos),
+            slot_mapping=torch.tensor(slots), query_lens=lens,
+            context_lens=[s + n for _, s, n in chunks],
+            block_tables=tables[[seq for seq, _, _ in chunks]],
+            logits_indices=torch.cumsum(torch.tensor(lens), 0) - 1,
+        )  # fmt: skip
+
+    steps = [[(0, 0, 40)], [(0, 40, 29), (1, 0, 45)], [(0, 69, 1), (1, 45 - 1, 1)]]
+    logits = {}
+    for path in ("kernels", "torch"):
+        if path == "torch":
+            monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+            monkeypatch.setattr(cpu_kernels, "elementwise_apply", lambda x: False)
+            monkeypatch.setattr(cpu_kernels, "prefill_supported", lambda *a: False)
+        kv = model.allocate_kv_cache(16, block)
+        with torch.inference_mode():
+            logits[path] = [model(batch(chunks), kv) for chunks in steps]
+    for got, want in zip(logits["kernels"], logits["torch"], strict=True):
+        cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+        assert cos.min() > 0.995, cos
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.5
