@@ -9,6 +9,10 @@ from typing import Any
 
 MAX_LOGPROBS = 20
 _MAX_SEED = 2**64 - 1
+# Constrained decoding: (kind, spec). "json": any JSON value (spec ""); "json_schema": a
+# JSON Schema as a JSON string; "regex": a regular expression; "grammar": EBNF (GBNF).
+STRUCTURED_KINDS = ("json", "json_schema", "regex", "grammar")
+MAX_STRUCTURED_SPEC = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +34,7 @@ class SamplingParams:
     n: int = 1
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_output: tuple[str, str] | None = None  # see STRUCTURED_KINDS
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -104,6 +109,21 @@ class SamplingParams:
         for i in ids:
             _require_int("stop_token_ids", i)
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+
+        spec = self.structured_output
+        if spec is not None:
+            if not isinstance(spec, list | tuple) or len(spec) != 2:
+                raise ValueError(f"structured_output must be (kind, spec), got {spec!r}")
+            kind, text = spec
+            if kind not in STRUCTURED_KINDS:
+                raise ValueError(f"structured_output kind must be one of "
+                                 f"{', '.join(STRUCTURED_KINDS)}, got {kind!r}")  # fmt: skip
+            if not isinstance(text, str) or len(text) > MAX_STRUCTURED_SPEC:
+                raise ValueError(f"structured_output spec must be a string under "
+                                 f"{MAX_STRUCTURED_SPEC} characters")  # fmt: skip
+            if self.ignore_eos:
+                raise ValueError("structured_output ends at the grammar's end: no ignore_eos")
+            object.__setattr__(self, "structured_output", (kind, text))
 
     def _check_ranges(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -22,12 +22,14 @@ def model_spec(
     block_size: int,
     max_blocks_per_row: int,
     threads: int,
+    tokenizer_folder: str | None = None,
 ) -> DeviceSpec:
-    """A device that runs the model: on the CPU with ``threads`` torch threads, or on CUDA."""
+    """A device that runs the model: on the CPU with ``threads`` torch threads, or on CUDA.
+    ``tokenizer_folder`` lets it compile grammars for structured output."""
     if kind not in ("cpu", "cuda"):
         raise ValueError(f"a model device is cpu or cuda, got {kind!r}")
     factory = functools.partial(build_model_runner, model_factory, num_blocks, block_size,
-                                max_blocks_per_row, kind)  # fmt: skip
+                                max_blocks_per_row, kind, tokenizer_folder)  # fmt: skip
     return DeviceSpec(factory, threads if kind == "cpu" else 1)
 
 

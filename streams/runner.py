@@ -17,6 +17,7 @@ import torch
 from sampler.sampler import Sampler, SlotState
 from streams.batch import ForwardBatch
 from streams.device import REPLAY_STEP
+from streams.grammar import GrammarRows
 from streams.plan import StepPlan, StepResult
 from streams.rows import RowState
 
@@ -37,8 +38,10 @@ class ModelRunner:
         block_size: int,
         max_blocks_per_row: int,
         device: torch.device | str = "cpu",
+        tokenizer_folder: str | None = None,
     ) -> None:
         self.model = model
+        self.tokenizer_folder = tokenizer_folder
         self.device = torch.device(device)
         self.block_size = block_size
         self.max_blocks_per_row = max_blocks_per_row
@@ -49,6 +52,7 @@ class ModelRunner:
     def _fresh_rows(self) -> None:
         self.rows = RowState(self.block_size, self.max_blocks_per_row)
         self.states: dict[int, SlotState] = {}
+        self.grammars = GrammarRows(self.tokenizer_folder, self.model.cfg.vocab_size)
 
     def run(self, plan: StepPlan) -> StepResult:
         start = time.monotonic()
@@ -63,7 +67,7 @@ class ModelRunner:
 
     def replay(self, plans: list[StepPlan]) -> StepResult:
         """The same forward passes back to back, on row state of their own (the roofline)."""
-        live_rows, live_states = self.rows, self.states
+        live_rows, live_states, live_grammars = self.rows, self.states, self.grammars
         self._fresh_rows()
         try:
             start = time.monotonic()
@@ -73,13 +77,15 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
             return StepResult(REPLAY_STEP, [], None, None, start, time.monotonic())
         finally:
-            self.rows, self.states = live_rows, live_states
+            self.rows, self.states, self.grammars = live_rows, live_states, live_grammars
 
     @torch.inference_mode()
     def _run(self, plan: StepPlan) -> tuple[np.ndarray, Any, Any]:
         for row in plan.released_rows.tolist():
             self.states.pop(row, None)
+            self.grammars.drop(row)
         for new in plan.new_rows:
+            self.grammars.add(new.row, new.params.structured_output)
             prompt = None
             if new.params.repetition_penalty != 1.0:
                 prompt = torch.tensor(new.prompt_ids, dtype=torch.long, device=self.device)
@@ -93,8 +99,11 @@ class ModelRunner:
         sampled_rows = plan.rows[plan.sample]
         if not len(sampled_rows):  # only partial prefill chunks this step
             return np.zeros(0, np.int64), None, None
-        states = [self.states[r] for r in sampled_rows.tolist()]
+        rows = sampled_rows.tolist()
+        states = [self.states[r] for r in rows]
+        constrained = self.grammars.constrain(logits, rows)
         result = self.sampler.sample(logits, states)
+        self.grammars.advance(rows, constrained, result.tokens)
         tokens = np.array(result.tokens, dtype=np.int64)
         self.rows.record_sampled(plan, tokens)
         return tokens, result.logprobs, result.top_logprobs
@@ -125,6 +134,8 @@ def build_model_runner(
     block_size: int,
     max_blocks_per_row: int,
     device: str = "cpu",
+    tokenizer_folder: str | None = None,
 ) -> ModelRunner:
     """Module level, so a device process can receive it by name inside a partial."""
-    return ModelRunner(model_factory(), num_blocks, block_size, max_blocks_per_row, device)
+    return ModelRunner(model_factory(), num_blocks, block_size, max_blocks_per_row, device,
+                       tokenizer_folder)  # fmt: skip

@@ -24,6 +24,8 @@ ALLOWED: dict[str, list[str]] = {
     "blockalloc": ["blockalloc"],
     "sampler": ["sampler", "torch"],
     "streams": ["streams", "sampler", "torch", "cupy", "numpy"],
+    # Constrained decoding: llguidance, and the tokenizer's vocabulary it is compiled against.
+    "streams/grammar.py": ["streams", "torch", "numpy", "llguidance", "transformers"],
     "async_engine/model": [
         "async_engine.model",
         "streams.batch",
@@ -50,6 +52,8 @@ ALLOWED: dict[str, list[str]] = {
         "prometheus_client",
         "structlog",
         "uvloop",
+        "starlette",
+        "uvicorn",
     ],
     "async_engine/client": ["async_engine.client", "async_engine.v1", "grpc", "google"],
     "async_engine/v1": ["async_engine.v1", "grpc", "google"],

@@ -28,7 +28,7 @@ class ServeProcess:
         cmd = [
             sys.executable, "-m", "async_engine.cli.main", "serve", "--model", str(model),
             "--dtype", "float32", "--device", "cpu", "--port", "0", "--metrics-port", "-1",
-            "--num-kv-blocks", "128", "--device-threads", "1", *extra,
+            "--http-port", "0", "--num-kv-blocks", "128", "--device-threads", "1", *extra,
         ]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
         self.lines: queue.Queue[str] = queue.Queue()

@@ -190,6 +190,14 @@ def cmd_offline(args: argparse.Namespace) -> int:
             threads = int(name.split("=")[1])
             r["matmul_only_ms"] = matmul_only_ms(str(folder), dtype, r["full_decode_batch"],
                                                  threads)  # fmt: skip
+    if args.structured and not simulated:
+        from async_engine.bench.structured import run_structured
+
+        for name, r in results.items():
+            threads = int(name.split("=")[1])
+            r["structured_tokens_per_s"] = run_structured(
+                {**options, "device_threads": threads}, prompts, work.max_tokens
+            )
     hf = None
     if not (args.skip_hf or simulated):
         hf = run_hf(str(folder), dtype, prompts, work.max_tokens)
@@ -264,6 +272,10 @@ def print_table(
             values = [r[f"{mode}_phase_ms"].get(phase, 0.0) for r in get]
             row(f"  {phase} ms/step, {mode}", ".3f", values)
     row("wasted tokens, on", "d", [r["on_wasted_tokens"] for r in get])
+    if all("structured_tokens_per_s" in r for r in get):
+        row("tokens/s, structured output", ".1f", [r["structured_tokens_per_s"] for r in get])
+        ratios = [r["structured_tokens_per_s"] / r["on_tokens_per_s"] for r in get]
+        row("structured / plain", ".2f", ratios)
     if all("matmul_only_ms" in r for r in get):
         row("full-batch decode, batch", "d", [r["full_decode_batch"] for r in get])
         row("  device step ms", ".2f", [r["full_decode_ms"] for r in get])
@@ -284,6 +296,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--rounds", type=int, default=2, help="interleaved runs per mode")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--structured", action="store_true",
+                   help="also run every request under a JSON schema (its cost)")  # fmt: skip
     p.add_argument("--llama-server", default=None, help="llama-server binary: run it as a peer")
     p.add_argument("--gguf", default=None, help="GGUF of the same model for --llama-server")
     p.add_argument("--json", default=None, help="write the figures to this file")

@@ -55,7 +55,7 @@ def write_plot(out: dict[str, Any], path: str, slo: Slo) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_ttft, ax_itl) = plt.subplots(1, 2, figsize=(11, 4))
-    for name in ("grpc", "inprocess"):
+    for name in ("grpc", "openai", "inprocess"):
         if name not in out:
             continue
         runs = sorted(out[name]["runs"].items())

@@ -41,6 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--target", default=None, help="host:port of a running server (default: start one)"
     )
+    p.add_argument("--backend", choices=["grpc", "openai"], default="grpc",
+                   help="openai: drive any OpenAI-compatible server's /v1/completions")  # fmt: skip
+    p.add_argument("--vocab-size", type=int, default=49152,
+                   help="openai backend: vocabulary of the random prompts (default model's)")  # fmt: skip
     p.add_argument("--auth-token", default=None)
     p.add_argument("--rates", default="1,2,4", help="request rates in req/s, comma separated")
     p.add_argument("--burst", action="store_true", help="send every request at t=0")
@@ -196,6 +200,28 @@ async def grpc_phase(
         return await sweep(run_rate, _rates(args), args, slo)
 
 
+async def openai_phase(
+    args: argparse.Namespace, spec: LoadSpec, slo: Slo, target: str, metrics_port: int | None
+) -> dict[str, Any]:
+    from async_engine.bench.openai_load import HttpTarget, openai_sender, served_model
+
+    http = HttpTarget(target, args.auth_token)
+    send = openai_sender(http, await served_model(http), _on_tokens)
+    await run_load(send, make_requests(WARMUP, 1.0, args.vocab_size))
+
+    async def run_rate(rate: float) -> dict[str, Any]:
+        before = _scrape(metrics_port)
+        records, duration = await run_load(send, make_requests(spec, rate, args.vocab_size))
+        await asyncio.sleep(0.6 if metrics_port else 0.0)
+        after = _scrape(metrics_port)
+        summary = summarize(records, duration, slo)
+        summary["server_device_idle"] = _idle_delta(before, after)
+        summary["server_phase_ms_per_step"] = _phase_delta(before, after)
+        return summary
+
+    return await sweep(run_rate, _rates(args), args, slo)
+
+
 async def inprocess_phase(
     engine: Any, args: argparse.Namespace, spec: LoadSpec, slo: Slo
 ) -> dict[str, Any]:
@@ -275,6 +301,14 @@ def _phase_delta(
     }
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _rates(args: argparse.Namespace) -> list[float]:
     return [float(r) for r in args.rates.split(",") if r.strip()]
 
@@ -291,6 +325,8 @@ def spawn_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, int |
         "0",
         "--metrics-port",
         "0",
+        "--http-port",
+        str(_free_port()) if args.backend == "openai" else "0",
     ]
     cmd += engine_argv(engine_options(args))
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
@@ -301,6 +337,12 @@ def spawn_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, int |
             if record.get("event") == "server.ready":
                 # Keep reading, or a full stderr pipe would one day block the server.
                 threading.Thread(target=proc.stderr.read, daemon=True).start()
+                if args.backend == "openai":
+                    return (
+                        proc,
+                        f"http://127.0.0.1:{record['http_port']}",
+                        record.get("metrics_port"),
+                    )
                 return proc, f"127.0.0.1:{record['port']}", record.get("metrics_port")
     raise RuntimeError(f"server exited with {proc.wait()} before it was ready")
 
@@ -332,12 +374,13 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
             proc, target, metrics_port = spawn_server(args)
         else:
             target, metrics_port = args.target, None
-        out["grpc"] = uvloop.run(grpc_phase(args, spec, slo, target, metrics_port))
+        phase = openai_phase if args.backend == "openai" else grpc_phase
+        out[args.backend] = uvloop.run(phase(args, spec, slo, target, metrics_port))
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=60)
-    print_table("gRPC", out["grpc"])
+    print_table("OpenAI HTTP" if args.backend == "openai" else "gRPC", out[args.backend])
     if args.compare_inprocess:
         from async_engine.cli.options import engine_options
         from async_engine.core.engine import AsyncEngine
@@ -345,12 +388,12 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
         engine = AsyncEngine(**engine_options(args))  # built before the loop: it blocks
         out["inprocess"] = uvloop.run(inprocess_phase(engine, args, spec, slo))
         print_table("in-process AsyncEngine", out["inprocess"])
-        out["grpc_vs_inprocess"] = ratios = {}
-        for rate, summary in out["grpc"]["runs"].items():
+        out[f"{args.backend}_vs_inprocess"] = ratios = {}
+        for rate, summary in out[args.backend]["runs"].items():
             local = out["inprocess"]["runs"].get(rate)
             if local is not None:
                 ratios[rate] = summary["output_tokens_per_s"] / local["output_tokens_per_s"]
-                print(f"rate {rate:g}: gRPC tokens/s = {ratios[rate]:.1%} of in-process")
+                print(f"rate {rate:g}: {args.backend} tokens/s = {ratios[rate]:.1%} of in-process")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2, default=str)

@@ -14,7 +14,7 @@ AUTH_ENV = "ASYNC_ENGINE_AUTH_TOKEN"
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("serve", help="serve the model over gRPC (async_engine.v1.Generation)")
+    p = sub.add_parser("serve", help="serve the model over gRPC and OpenAI-compatible HTTP")
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
@@ -27,6 +27,10 @@ def add_parser(sub: Any) -> None:
         default=30.0,
         help="seconds in-flight requests get on SIGTERM",
     )
+    p.add_argument(
+        "--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API port (0: off)"
+    )
+    p.add_argument("--http-host", default=None, help="HTTP bind address (default: --host)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
     p.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
     p.add_argument(
@@ -66,6 +70,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         auth_token=token,
         max_message_bytes=args.max_message_bytes,
         limits=Limits(max_prompt_chars=args.max_prompt_chars),
+        http_port=args.http_port or None,
+        http_host=args.http_host,
     )
     # The engine starts its device process before the loop exists (construction blocks).
     engine = AsyncEngine(**engine_options(args))

@@ -67,9 +67,13 @@ def build_request(
     time_limit_ms: int | None = None,
     logprobs: int | None = None,
     detokenize: bool = True,
+    structured_output: tuple[str, str] | None = None,
     **sampling: Any,
 ) -> pb.GenerateRequest:
-    """A GenerateRequest from keyword arguments (sampling and stop fields by name)."""
+    """A GenerateRequest from keyword arguments (sampling and stop fields by name).
+
+    ``structured_output``: ("json", ""), ("json_schema", schema_json), ("regex", pattern) or
+    ("grammar", ebnf)."""
     msg = pb.GenerateRequest(request_id=request_id, priority=priority, tenant=tenant)
     if messages is not None:
         msg.chat.messages.extend(
@@ -97,6 +101,12 @@ def build_request(
     if logprobs is not None:
         msg.output.logprobs = logprobs
     msg.output.skip_detokenize = not detokenize
+    if structured_output is not None:
+        kind, spec = structured_output
+        if kind == "json":
+            msg.structured_output.json = True
+        else:
+            setattr(msg.structured_output, kind, spec)
     return msg
 
 

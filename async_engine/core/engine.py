@@ -96,6 +96,7 @@ class AsyncEngine:
         self._wake: asyncio.Event | None = None
         self._closed = False
         self.fatal_error: BaseException | None = None
+        self._grammars: Any = None  # streams.grammar.Grammars, on the first structured request
 
     def _device_spec(self, num_blocks: int) -> DeviceSpec:
         config, bs = self.config, self.config.block_size
@@ -107,8 +108,9 @@ class AsyncEngine:
             return sim_spec(cost, mc.vocab_size, tuple(mc.eos_token_ids), bs, max_blocks_per_row)
         model = functools.partial(build_model, str(self.model_path), self.dtype, self.device_kind,
                                   load_format=config.load_format, seed=config.seed)  # fmt: skip
+        tokenizer = str(self.model_path) if self.tokenizer is not None else None
         return model_spec(self.device_kind, model, num_blocks, bs, max_blocks_per_row,
-                          config.resolved_device_threads())  # fmt: skip
+                          config.resolved_device_threads(), tokenizer)  # fmt: skip
 
     def _default_num_blocks(self) -> int:
         mc, bs = self.model_config, self.config.block_size
@@ -167,6 +169,8 @@ class AsyncEngine:
         if request_id and (request_id in self._outputs or request_id in self.scheduler.requests):
             # An ended request keeps its id until its last launched step has completed.
             raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
+        if params is not None and params.structured_output is not None:
+            self.check_structured_output(params)
         req = self.inputs.build(prompt, params, request_id=request_id, **options)
         if self.scheduler.num_waiting >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
@@ -180,6 +184,22 @@ class AsyncEngine:
         assert self._wake is not None
         self._wake.set()
         return req
+
+    def check_structured_output(self, params: SamplingParams) -> None:
+        """Compile the request's grammar here first, so a bad one is a ValueError naming
+        structured_output at submission, never a failed step on the device. The first call
+        reads the tokenizer's vocabulary (under a second); compiled grammars are cached."""
+        spec = params.structured_output
+        if spec is None:
+            return
+        if self.device_kind == "sim":
+            raise ValueError("structured_output: the simulated device does not constrain output")
+        from streams.grammar import Grammars
+
+        if self._grammars is None:
+            folder = str(self.model_path) if self.tokenizer is not None else None
+            self._grammars = Grammars(folder, self.model_config.vocab_size)
+        self._grammars.compile(*spec)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request at the next step boundary; False if unknown or already finished."""
@@ -310,8 +330,12 @@ class AsyncEngine:
         self._step_s += 0.1 * (result.device_end - result.device_start - self._step_s)
         self._phase("wait", plan.step_id, start, resumed)
         # From when the engine could go on (waiting, result in) to when the loop let it.
+        # Only GPU-speed steps are paced: beside a CPU step of 10 ms and more, the delay
+        # is mostly the OS scheduling the loop's thread among busy device threads, and
+        # coalescing tokens would only lengthen inter-token latency.
         held_up = resumed - max(start, result.device_end)
-        self.pacer.observe(held_up, result.device_end - result.device_start)
+        step = result.device_end - result.device_start
+        self.pacer.observe(held_up if step < self.SPIN_BELOW_S else 0.0, step)
         return result
 
     def _spin_budget(self) -> float:

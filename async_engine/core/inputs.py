@@ -42,6 +42,7 @@ class InputBuilder:
         *,
         request_id: str | None = None,
         messages: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         priority: int = 0,
         tenant: str = "",
         truncate_prompt: bool = False,
@@ -53,7 +54,9 @@ class InputBuilder:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
-        ids = self._prompt_ids(prompt, messages)
+        if tools is not None and messages is None:
+            raise ValueError("tools: only a chat (messages) request takes tools")
+        ids = self._prompt_ids(prompt, messages, tools)
         ids = self._fit_context(ids, params, truncate_prompt)
         for t in params.stop_token_ids:
             if t >= self.limits.vocab_size:
@@ -81,13 +84,18 @@ class InputBuilder:
             req.time_deadline = req.arrival_time + time_limit_ms / 1000
         return req
 
-    def _prompt_ids(self, prompt: Any, messages: list[dict[str, Any]] | None) -> list[int]:
+    def _prompt_ids(
+        self,
+        prompt: Any,
+        messages: list[dict[str, Any]] | None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         if messages is not None:
             if prompt is not None:
                 raise ValueError("prompt: give either a prompt or messages, not both")
             if not isinstance(messages, list) or not messages:
                 raise ValueError("messages must be a non-empty list")
-            return self._need_tokenizer("messages").apply_chat_template(messages)
+            return self._need_tokenizer("messages").apply_chat_template(messages, tools)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")

@@ -19,7 +19,11 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The conversation's prompt ids; ``tools`` (OpenAI function specs) are shown to the
+        model where its template has a place for them."""
         if not self.hf.chat_template:
             raise ValueError("messages: this model has no chat template")
         for i, message in enumerate(messages):
@@ -27,7 +31,9 @@ class Tokenizer:
                 raise ValueError(f"messages[{i}] must have a role and a content")
             if message["role"] not in ("system", "user", "assistant", "tool"):
                 raise ValueError(f"messages[{i}].role is unknown: {message['role']!r}")
-        ids = self.hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        ids = self.hf.apply_chat_template(
+            messages, tools=tools, tokenize=True, add_generation_prompt=True
+        )
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)

@@ -46,6 +46,8 @@ class ServerOptions:
     limits: Limits = field(default_factory=Limits)
     metrics_interval_s: float = 0.25
     warmup: bool = True
+    http_port: int | None = None  # the OpenAI-compatible HTTP API; None: off, 0: any free port
+    http_host: str | None = None  # default: ``host``
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -66,6 +68,8 @@ class GenerationServer:
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._httpd: Any = None
+        self.http: Any = None  # the OpenAI HTTP server, when http_port is set
+        self.http_port: int | None = None
         self._refresher: asyncio.Task | None = None
         self._stopped = asyncio.Event()
 
@@ -106,6 +110,14 @@ class GenerationServer:
                 opts.metrics_port, opts.host, registry=self.metrics.registry
             )
             self.metrics_port = self._httpd.server_port
+        if opts.http_port is not None:
+            from async_engine.server.http.app import OpenAIApp
+            from async_engine.server.http.server import HttpServer
+
+            self.http = HttpServer(OpenAIApp(self, opts.max_message_bytes).app,
+                                   opts.http_host or opts.host, opts.http_port)  # fmt: skip
+            await self.http.start()
+            self.http_port = self.http.port
         self._refresher = asyncio.create_task(self._refresh_metrics(), name="metrics-refresh")
         if opts.warmup:
             await self._warm_up()
@@ -115,6 +127,7 @@ class GenerationServer:
             "server.ready",
             port=self.port,
             metrics_port=self.metrics_port,
+            http_port=self.http_port,
             model=str(self.engine.config.model),
             tls=opts.tls_cert is not None,
             auth=bool(opts.auth_token),
@@ -159,6 +172,9 @@ class GenerationServer:
         """Stop serving; RPCs still open after grace are cancelled (and their requests aborted)."""
         if self._server is not None:
             await self._server.stop(grace_s)
+        if self.http is not None:
+            await self.http.stop()
+            self.http = None
         if self._refresher is not None:
             self._refresher.cancel()
             await asyncio.gather(self._refresher, return_exceptions=True)

@@ -160,6 +160,11 @@ def _params_kwargs(msg: pb.GenerateRequest) -> dict[str, Any]:
     kwargs["include_stop_str_in_output"] = stop.include_stop_str
     if out.HasField("logprobs"):
         kwargs["logprobs"] = out.logprobs
+    if msg.HasField("structured_output"):
+        kind = msg.structured_output.WhichOneof("kind")
+        if kind is not None:
+            spec = getattr(msg.structured_output, kind)
+            kwargs["structured_output"] = (kind, "" if kind == "json" else spec)
     return kwargs
 
 

@@ -121,7 +121,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def _responses(self, call: _Call) -> AsyncIterator[pb.GenerateResponse]:
         seq = 0
         emitted = [0] * len(call.children)
-        async for index, delta in _merge(self.engine, call.children):
+        async for index, delta in merge_streams(self.engine, call.children):
             if seq == 0:
                 _raise_if_failed(call, delta)
                 yield accepted_msg(
@@ -210,7 +210,7 @@ def _raise_if_failed(call: _Call, delta: RequestDelta) -> None:
         raise internal("the model step running this request failed", call.request_id)
 
 
-async def _merge(
+async def merge_streams(
     engine: AsyncEngine, children: list[Request]
 ) -> AsyncIterator[tuple[int, RequestDelta]]:
     """(index, delta) from every child, as they come. Pulls only when the caller asks, so

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP front end (see app.py)."""

@@ -1,0 +1,146 @@
+"""The OpenAI-compatible HTTP API: a Starlette app on uvicorn, in the gRPC server's loop.
+
+Starlette rather than FastAPI: bodies are checked field by field in ``protocol`` (every bad
+value a 400 in OpenAI's error shape naming its field), so a pydantic layer would only
+validate twice and answer 422s in another shape. The same engine serves both APIs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from async_engine.server.http.errors import HttpError, bad_request
+from async_engine.server.http.generate import OpenAIGeneration
+from async_engine.server.http.protocol import chat_request, completion_request
+
+if TYPE_CHECKING:
+    from async_engine.server.app import GenerationServer
+
+
+class OpenAIApp:
+    def __init__(self, server: GenerationServer, max_body_bytes: int = 4 << 20) -> None:
+        self.server = server
+        self.engine = server.engine
+        self.max_body_bytes = max_body_bytes
+        self.auth_token = server.options.auth_token
+        self.model_names = {"default", str(self.engine.config.model)}
+        self.app = Starlette(routes=[
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ])  # fmt: skip
+
+    # ------------------------------------------------------------ endpoints
+    async def models(self, request: Request) -> Response:
+        if (denied := self._check_auth(request)) is not None:
+            return denied
+        card = {"id": str(self.engine.config.model), "object": "model", "created": 0,
+                "owned_by": "async-engine", "max_model_len": self.engine.max_model_len}  # fmt: skip
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def health(self, request: Request) -> Response:
+        if self.server.service.draining or self.engine.fatal_error is not None:
+            return PlainTextResponse("not serving", status_code=503)
+        return PlainTextResponse("ok")
+
+    async def metrics(self, request: Request) -> Response:
+        body = generate_latest(self.server.metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    # ---------------------------------------------------------- generation
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        try:
+            if (denied := self._check_auth(request)) is not None:
+                return denied
+            if self.server.service.draining:
+                raise HttpError(503, "server is draining; retry on another replica")
+            body = await self._json(request)
+            sub = chat_request(body) if chat else completion_request(body)
+            if sub.model not in self.model_names:
+                raise HttpError(404, f"model {sub.model!r} is not served here", "model",
+                                "model_not_found")  # fmt: skip
+            if sub.params.structured_output is not None:
+                # The first grammar reads the tokenizer's vocabulary: not on the event loop.
+                check = self.engine.check_structured_output
+                try:
+                    await asyncio.get_running_loop().run_in_executor(None, check, sub.params)
+                except ValueError as exc:
+                    raise bad_request(str(exc), "response_format") from None
+            gen = OpenAIGeneration(self.engine, sub, chat, request.headers.get("x-request-id"))
+            gen.submit()
+        except HttpError as exc:
+            return exc.response()
+        headers = {"x-request-id": gen.id}
+        if sub.stream:
+            return StreamingResponse(_released(gen), media_type="text/event-stream",
+                                     headers=headers)  # fmt: skip
+        return await self._whole(request, gen, headers)
+
+    async def _whole(self, request: Request, gen: OpenAIGeneration, headers: dict) -> Response:
+        task = asyncio.ensure_future(gen.complete())
+        try:
+            while True:  # a client that leaves aborts its request, as a dropped stream does
+                done, _ = await asyncio.wait((task,), timeout=0.25)
+                if done:
+                    break
+                if await request.is_disconnected():
+                    task.cancel()
+                    return Response(status_code=499)
+            return JSONResponse(task.result(), headers=headers)
+        except HttpError as exc:
+            return exc.response()
+        finally:
+            if not task.done():
+                task.cancel()
+            gen.release()
+
+    async def _json(self, request: Request) -> Any:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise HttpError(413, f"request body over {self.max_body_bytes} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise HttpError(413, f"request body over {self.max_body_bytes} bytes")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise bad_request(f"the body is not valid JSON: {exc}", None) from None
+
+    def _check_auth(self, request: Request) -> Response | None:
+        if not self.auth_token:
+            return None
+        if request.headers.get("authorization", "") != f"Bearer {self.auth_token}":
+            return HttpError(
+                401, "missing or wrong bearer token", None, "invalid_api_key"
+            ).response()
+        return None
+
+
+async def _released(gen: OpenAIGeneration):  # noqa: ANN202 - an async generator of str
+    """The stream's events; its requests are released however the stream ends."""
+    try:
+        async for event in gen.events():
+            yield event
+    except HttpError as exc:  # after the 200 went out: report in-band, as OpenAI does
+        yield f"data: {json.dumps({'error': {'message': exc.message, 'code': exc.code}})}\n\n"
+    finally:
+        gen.release()

@@ -1,0 +1,190 @@
+"""One OpenAI request on the engine: its samples as engine requests, and their outputs as
+OpenAI choices, whole or as server-sent-event chunks."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from async_engine.core.engine import AsyncEngine, EngineClosedError
+from async_engine.core.fanout import child_ids
+from async_engine.core.inputs import DuplicateRequestError, QueueFullError
+from async_engine.core.output import RequestDelta
+from async_engine.core.request import FinishReason, Request
+from async_engine.server.http.errors import HttpError, bad_request
+from async_engine.server.http.protocol import HttpSubmission, finish_reason, usage
+from async_engine.server.service import merge_streams
+
+
+@dataclass(slots=True)
+class Choice:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class OpenAIGeneration:
+    """A completion or chat request: ``chat`` picks the response objects' shapes."""
+
+    def __init__(self, engine: AsyncEngine, sub: HttpSubmission, chat: bool,
+                 request_id: str | None) -> None:  # fmt: skip
+        self.engine, self.sub, self.chat = engine, sub, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + (request_id or uuid.uuid4().hex)
+        self.created = int(time.time())
+        self.children: list[Request] = []
+        self.prompt_tokens = self.cached_tokens = 0
+
+    def submit(self) -> None:
+        sub = self.sub
+        options: dict[str, Any] = {"tenant": sub.user}
+        prompt = sub.prompt
+        if sub.messages is not None:
+            options["messages"] = sub.messages
+        if sub.tools is not None and sub.tools.choice != "none":
+            options["tools"] = sub.tools.tools
+        try:
+            for i, child in enumerate(child_ids(self.id, sub.params.n)):
+                params = sub.params.for_sample(i)
+                self.children.append(self.engine.add_request(prompt, params, child, **options))
+        except BaseException as exc:
+            self.release()
+            raise _http_error(exc) from None
+        first = self.children[0]
+        self.prompt_tokens = first.num_prompt_tokens
+
+    def release(self) -> None:
+        for req in self.children:
+            self.engine.release(req)  # aborts what still runs: the client is gone
+
+    async def deltas(self) -> AsyncIterator[tuple[int, RequestDelta]]:
+        async for index, delta in merge_streams(self.engine, self.children):
+            if delta.finish_reason is FinishReason.ERROR:
+                raise HttpError(500, "the model step running this request failed")
+            if delta.finish_reason is FinishReason.QUEUE_TIMEOUT:
+                raise HttpError(429, "request was not admitted in time", code="queue_timeout")
+            self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
+            yield index, delta
+
+    # --------------------------------------------------------------- whole
+    async def complete(self) -> dict[str, Any]:
+        choices = [Choice() for _ in self.children]
+        for index, delta in [x async for x in self.deltas()]:
+            c = choices[index]
+            c.text += delta.text
+            c.token_ids += delta.token_ids
+            c.logprobs += delta.logprobs or []
+            c.top_logprobs += delta.top_logprobs or []
+            if delta.finished:
+                c.finish_reason = finish_reason(delta.finish_reason)
+        completion = sum(len(c.token_ids) for c in choices)
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.sub.model,
+            "choices": [self._choice(i, c) for i, c in enumerate(choices)],
+            "usage": usage(self.prompt_tokens, completion, self.cached_tokens),
+        }
+
+    def _choice(self, index: int, c: Choice) -> dict[str, Any]:
+        logprobs = self._logprobs(c) if self.sub.params.logprobs is not None else None
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            reason = c.finish_reason
+            if self.sub.tools is not None:
+                content, calls = self.sub.tools.parse(c.text)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    reason = "tool_calls"
+            return {"index": index, "message": message, "logprobs": logprobs,
+                    "finish_reason": reason}  # fmt: skip
+        return {"index": index, "text": c.text, "logprobs": logprobs,
+                "finish_reason": c.finish_reason}  # fmt: skip
+
+    def _logprobs(self, c: Choice) -> dict[str, Any]:
+        tokenizer = self.engine.tokenizer
+        piece = (lambda t: tokenizer.decode([t], False)) if tokenizer else str
+        tops = c.top_logprobs or [[] for _ in c.token_ids]
+        if self.chat:
+            return {"content": [
+                {"token": piece(t), "logprob": lp, "bytes": list(piece(t).encode()),
+                 "top_logprobs": [{"token": piece(a), "logprob": b,
+                                   "bytes": list(piece(a).encode())} for a, b in top]}
+                for t, lp, top in zip(c.token_ids, c.logprobs, tops, strict=False)
+            ]}  # fmt: skip
+        offsets, at = [], 0
+        for t in c.token_ids:
+            offsets.append(at)
+            at += len(piece(t))
+        return {
+            "tokens": [piece(t) for t in c.token_ids],
+            "token_logprobs": c.logprobs,
+            "top_logprobs": [{piece(a): b for a, b in top} for top in tops],
+            "text_offset": offsets,
+        }
+
+    # -------------------------------------------------------------- stream
+    async def events(self) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per delta, the usage chunk if asked, then [DONE]."""
+        emitted = [0] * len(self.children)
+        if self.chat:
+            for i in range(len(self.children)):
+                yield self._event(i, {"role": "assistant", "content": ""}, None)
+        tools = self.sub.tools if self.chat and self.sub.tools is not None else None
+        held = [""] * len(self.children)  # with tools: the answer, parsed once it is whole
+        async for index, delta in self.deltas():
+            emitted[index] += len(delta.token_ids)
+            reason = finish_reason(delta.finish_reason) if delta.finished else None
+            if tools is not None:
+                held[index] += delta.text
+                if reason is not None:
+                    yield self._event(index, *self._tool_delta(tools, held[index], reason))
+                continue
+            if delta.text or reason is not None:
+                content = {"content": delta.text} if self.chat else delta.text
+                yield self._event(index, content, reason)
+        if self.sub.include_usage:
+            body = {"id": self.id, "object": self._chunk_object(), "created": self.created,
+                    "model": self.sub.model, "choices": [],
+                    "usage": usage(self.prompt_tokens, sum(emitted), self.cached_tokens)}  # fmt: skip
+            yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    def _tool_delta(self, tools: Any, text: str, reason: str) -> tuple[dict[str, Any], str]:
+        content, calls = tools.parse(text)
+        if not calls:
+            return {"content": text}, reason
+        listed = [{"index": i, **call} for i, call in enumerate(calls)]
+        return {"content": content, "tool_calls": listed}, "tool_calls"
+
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _event(self, index: int, content: Any, reason: str | None) -> str:
+        if self.chat:
+            choice = {"index": index, "delta": content, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": index, "text": content, "logprobs": None, "finish_reason": reason}
+        body = {"id": self.id, "object": self._chunk_object(), "created": self.created,
+                "model": self.sub.model, "choices": [choice]}  # fmt: skip
+        return f"data: {json.dumps(body)}\n\n"
+
+
+def _http_error(exc: BaseException) -> BaseException:
+    if isinstance(exc, HttpError):
+        return exc
+    if isinstance(exc, DuplicateRequestError):
+        return HttpError(400, str(exc), "x-request-id", "duplicate_request_id")
+    if isinstance(exc, QueueFullError):
+        return HttpError(429, str(exc), None, "queue_full")
+    if isinstance(exc, EngineClosedError):
+        return HttpError(503, str(exc), None, "engine_stopped")
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc))
+    return exc

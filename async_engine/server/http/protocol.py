@@ -1,0 +1,186 @@
+"""OpenAI request bodies -> the engine's inputs; engine outputs -> OpenAI response fields.
+
+Bodies are read as plain JSON and checked here field by field, so that every bad value
+gets a 400 naming its field (SamplingParams does the range checks and names the field).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from async_engine.core.request import FinishReason
+from async_engine.server.http.errors import bad_request
+from async_engine.server.http.tools import ToolSpec, tool_spec
+from sampler.params import SamplingParams
+
+# OpenAI field -> SamplingParams field, for the numbers both APIs share.
+_SAMPLING = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "n": "n",
+    "min_tokens": "min_tokens",
+    "ignore_eos": "ignore_eos",
+}
+MAX_N = 16
+
+
+@dataclass(slots=True)
+class HttpSubmission:
+    model: str
+    prompt: str | list[int] | None
+    messages: list[dict[str, Any]] | None
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    user: str
+    top_logprobs: int | None  # chat: top-n per token when logprobs were asked for
+    tools: ToolSpec | None = None  # chat: tool calls constrained to the tools' schemas
+
+
+def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds:
+        raise bad_request(f"{name} must be {' or '.join(k.__name__ for k in kinds)}", name)
+    if not isinstance(value, kinds):
+        raise bad_request(f"{name} must be {' or '.join(k.__name__ for k in kinds)}", name)
+    return value
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
+        return tuple(stop)
+    raise bad_request("stop must be a string or a list of at most 16 strings", "stop")
+
+
+def structured_output(body: dict[str, Any]) -> tuple[str, str] | None:
+    """``response_format`` (json_object, json_schema), or the ``guided_regex`` and
+    ``guided_grammar`` extensions; at most one of them."""
+    found: list[tuple[str, str]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in (
+            "text",
+            "json_object",
+            "json_schema",
+        ):
+            raise bad_request("response_format type must be text, json_object or json_schema",
+                              "response_format")  # fmt: skip
+        if fmt["type"] == "json_object":
+            found.append(("json", ""))
+        elif fmt["type"] == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise bad_request("response_format.json_schema.schema must be an object",
+                                  "response_format")  # fmt: skip
+            found.append(("json_schema", json.dumps(schema)))
+    for name, kind in (("guided_regex", "regex"), ("guided_grammar", "grammar")):
+        if body.get(name) is not None:
+            found.append((kind, _get(body, name, (str,))))
+    if len(found) > 1:
+        raise bad_request("give one of response_format, guided_regex, guided_grammar",
+                          "response_format")  # fmt: skip
+    return found[0] if found else None
+
+
+def _params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
+            structured: tuple[str, str] | None = None) -> SamplingParams:  # fmt: skip
+    values: dict[str, Any] = {"max_tokens": max_tokens, "stop": _stop(body), "logprobs": logprobs,
+                              "structured_output": structured}  # fmt: skip
+    for name, field in _SAMPLING.items():
+        if body.get(name) is not None:
+            values[field] = body[name]
+    n = values.get("n", 1)
+    if isinstance(n, int) and not isinstance(n, bool) and n > MAX_N:
+        raise bad_request(f"n must be at most {MAX_N}, got {n}", "n")
+    try:
+        return SamplingParams(**values)
+    except (TypeError, ValueError) as exc:
+        raise bad_request(str(exc)) from None
+
+
+def _common(body: dict[str, Any]) -> tuple[str, bool, bool, str]:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", None)
+    model = _get(body, "model", (str,), "")
+    if not model:
+        raise bad_request("model is required", "model")
+    stream = _get(body, "stream", (bool,), False)
+    options = _get(body, "stream_options", (dict,), {})
+    include_usage = bool(options.get("include_usage", False))
+    user = _get(body, "user", (str,), "")
+    return model, stream, include_usage, user
+
+
+def completion_request(body: dict[str, Any]) -> HttpSubmission:
+    model, stream, include_usage, user = _common(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        raise bad_request("prompt must be a string or a list of token ids (one prompt)", "prompt")
+    if not isinstance(prompt, (str, list)) or not prompt:
+        raise bad_request("prompt must be a non-empty string or list of token ids", "prompt")
+    max_tokens = _get(body, "max_tokens", (int,), 16)
+    logprobs = _get(body, "logprobs", (int,), None)
+    params = _params(body, max_tokens, logprobs, structured_output(body))
+    return HttpSubmission(model, prompt, None, params, stream, include_usage, user, None)
+
+
+def chat_request(body: dict[str, Any]) -> HttpSubmission:
+    model, stream, include_usage, user = _common(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list", "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request(f"messages[{i}] must be an object with a role", "messages")
+        if not isinstance(m.get("content", ""), str):
+            raise bad_request(f"messages[{i}].content must be a string", "messages")
+    max_tokens = _get(body, "max_completion_tokens", (int,), None)
+    if max_tokens is None:
+        max_tokens = _get(body, "max_tokens", (int,), None)
+    wants = _get(body, "logprobs", (bool,), False)
+    top = _get(body, "top_logprobs", (int,), None)
+    if top is not None and not wants:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    tools = tool_spec(body)
+    structured = tools.schema_output() if tools is not None else structured_output(body)
+    params = _params(body, max_tokens, (top or 0) if wants else None, structured)
+    sub = HttpSubmission(model, None, messages, params, stream, include_usage, user, top)
+    sub.tools = tools
+    return sub
+
+
+def finish_reason(reason: FinishReason | None) -> str | None:
+    if reason is None:
+        return None
+    return {FinishReason.LENGTH: "length", FinishReason.CONTEXT_LENGTH: "length"}.get(
+        reason, "stop" if reason in (FinishReason.EOS, FinishReason.STOP) else "abort"
+    )
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }

@@ -1,0 +1,44 @@
+"""uvicorn for the OpenAI app, run as a task of the loop the gRPC server runs on."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
+import uvicorn
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # SIGTERM and SIGINT belong to the serve command, which drains both APIs.
+        yield
+
+
+class HttpServer:
+    def __init__(self, app: object, host: str, port: int) -> None:
+        config = uvicorn.Config(app, host=host, port=port, loop="none", lifespan="off",
+                                log_level="warning", access_log=False)  # fmt: skip
+        self._server = _Server(config)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._server.serve(), name="http-server")
+        while not self._server.started:
+            if self._task.done():  # e.g. the port is taken: raise that, now
+                self._task.result()
+                raise RuntimeError("the HTTP server stopped at start")
+            await asyncio.sleep(0.01)
+
+    @property
+    def port(self) -> int:
+        sockets = [s for server in self._server.servers for s in server.sockets]
+        return sockets[0].getsockname()[1] if sockets else 0
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._task = None
