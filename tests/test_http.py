@@ -219,3 +219,22 @@ async def test_bench_serve_drives_the_openai_api(server: BackgroundServer):
     assert all(r.error is None for r in records), [r.error for r in records]
     assert [r.tokens for r in records] == [q.max_tokens for q in requests]
     assert all(r.ttft() is not None and r.ttft() > 0 for r in records)
+
+
+def test_a_full_queue_is_a_429(server: BackgroundServer):
+    body = json.dumps({"model": "default", "prompt": "hi", "max_tokens": 2}).encode()
+    config = server.engine.config
+    before, config.max_waiting = config.max_waiting, 0  # nothing more may wait
+    try:
+        status, _, data = raw(server, "POST", "/v1/completions", body)
+    finally:
+        config.max_waiting = before
+    assert status == 429 and json.loads(data)["error"]["code"] == "queue_full"
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens(client):
+    prompt = list(range(200, 264))  # 64 tokens: four full 16-token blocks
+    first = client.completions.create(model="default", prompt=prompt, max_tokens=2, **GREEDY)
+    again = client.completions.create(model="default", prompt=prompt, max_tokens=2, **GREEDY)
+    assert first.usage.prompt_tokens_details.cached_tokens < 48
+    assert again.usage.prompt_tokens_details.cached_tokens >= 48
