@@ -238,3 +238,12 @@ def test_a_repeated_prompt_reports_its_cached_tokens(client):
     again = client.completions.create(model="default", prompt=prompt, max_tokens=2, **GREEDY)
     assert first.usage.prompt_tokens_details.cached_tokens < 48
     assert again.usage.prompt_tokens_details.cached_tokens >= 48
+
+
+def test_a_huge_unknown_chat_role_is_named_briefly(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="default", messages=[{"role": "x" * 5000, "content": "hi"}], max_tokens=2
+        )
+    message = err.value.body["message"]
+    assert "role is unknown" in message and len(message) < 200

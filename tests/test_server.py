@@ -215,6 +215,10 @@ async def test_abort_ends_the_named_stream_with_aborted_and_is_idempotent(
             {"prompt": None, "messages": [{"role": "wizard", "content": "hi"}]},
             "chat.messages[0].role",
         ),
+        (  # a huge role is quoted briefly, not echoed into the status metadata
+            {"prompt": None, "messages": [{"role": "w" * 5000, "content": "hi"}]},
+            "chat.messages[0].role",
+        ),
         ({"request_id": "x" * 300}, "request_id"),
         ({"stop_token_ids": [10**6]}, "stop.stop_token_ids"),
     ],

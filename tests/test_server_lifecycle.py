@@ -137,3 +137,20 @@ async def test_a_running_server_captures_steps_on_demand_without_restart(
     finally:
         serve.proc.send_signal(signal.SIGTERM)
         serve.proc.wait(timeout=60)
+
+
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port", "--http-port"])
+def test_a_busy_port_is_named_and_the_server_exits_2(flag: str):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        ports = {"--port": "0", "--metrics-port": "-1", "--http-port": "0", flag: port}
+        cmd = [sys.executable, "-m", "async_engine.cli.main", "serve", "--device", "sim",
+               *(x for item in ports.items() for x in item)]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert f"127.0.0.1:{port}" in proc.stderr and "server.start_failed" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -77,8 +77,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = AsyncEngine(**engine_options(args))
     if args.profile_dir:
         attach_profiler(engine, args.profile_dir)  # before the loop: signals need the main thread
+    import structlog
+
+    from async_engine.server.start import ServerStartError
+
     try:
         uvloop.run(_serve(engine, options))
+    except ServerStartError as exc:
+        structlog.get_logger("async_engine.server").error("server.start_failed", error=str(exc))
+        return 2
     finally:
         engine.close()
     return 0

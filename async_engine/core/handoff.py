@@ -90,6 +90,9 @@ class DeviceLink:
             for future in self._futures.values():
                 if not future.done():
                     future.set_exception(exc)
+                    # The step after the failing one may never be awaited: without this,
+                    # asyncio logs a bare "exception was never retrieved" traceback for it.
+                    future.exception()
             self._futures.clear()
             self.detach()
             return

@@ -30,7 +30,9 @@ class Tokenizer:
             if not isinstance(message, dict) or "role" not in message or "content" not in message:
                 raise ValueError(f"messages[{i}] must have a role and a content")
             if message["role"] not in ("system", "user", "assistant", "tool"):
-                raise ValueError(f"messages[{i}].role is unknown: {message['role']!r}")
+                role = str(message["role"])  # quoted short: a huge role must not fill the error
+                shown = repr(role[:32]) + ("..." if len(role) > 32 else "")
+                raise ValueError(f"messages[{i}].role is unknown: {shown}")
         ids = self.hf.apply_chat_template(
             messages, tools=tools, tokenize=True, add_generation_prompt=True
         )

@@ -25,6 +25,7 @@ from async_engine.server.codec import Limits
 from async_engine.server.logs import ensure_logging
 from async_engine.server.metrics import ServerMetrics
 from async_engine.server.service import GenerationService
+from async_engine.server.start import ServerStartError
 from async_engine.v1 import generation_pb2 as pb
 from async_engine.v1 import generation_pb2_grpc as pb_grpc
 from sampler.params import SamplingParams
@@ -97,27 +98,38 @@ class GenerationServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{opts.host}:{opts.port}"
-        if opts.tls_cert is not None and opts.tls_key is not None:
-            with open(opts.tls_key, "rb") as k, open(opts.tls_cert, "rb") as c:
-                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
-            self.port = server.add_secure_port(address, creds)
-        else:
-            self.port = server.add_insecure_port(address)
+        try:
+            if opts.tls_cert is not None and opts.tls_key is not None:
+                with open(opts.tls_key, "rb") as k, open(opts.tls_cert, "rb") as c:
+                    creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+                self.port = server.add_secure_port(address, creds)
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError as exc:  # grpc's "failed to bind"
+            raise ServerStartError(f"gRPC cannot listen on {address}: {exc}") from None
         self._server = server
         await server.start()
-        if opts.metrics_port is not None:
-            self._httpd, _ = start_http_server(
-                opts.metrics_port, opts.host, registry=self.metrics.registry
-            )
-            self.metrics_port = self._httpd.server_port
-        if opts.http_port is not None:
-            from async_engine.server.http.app import OpenAIApp
-            from async_engine.server.http.server import HttpServer
+        try:
+            if opts.metrics_port is not None:
+                try:
+                    self._httpd, _ = start_http_server(
+                        opts.metrics_port, opts.host, registry=self.metrics.registry
+                    )
+                except OSError as exc:
+                    raise ServerStartError(f"the metrics endpoint cannot listen on {opts.host}:"
+                                       f"{opts.metrics_port}: {exc.strerror or exc}") from None  # fmt: skip
+                self.metrics_port = self._httpd.server_port
+            if opts.http_port is not None:
+                from async_engine.server.http.app import OpenAIApp
+                from async_engine.server.http.server import HttpServer
 
-            self.http = HttpServer(OpenAIApp(self, opts.max_message_bytes).app,
-                                   opts.http_host or opts.host, opts.http_port)  # fmt: skip
-            await self.http.start()
-            self.http_port = self.http.port
+                self.http = HttpServer(OpenAIApp(self, opts.max_message_bytes).app,
+                                       opts.http_host or opts.host, opts.http_port)  # fmt: skip
+                await self.http.start()
+                self.http_port = self.http.port
+        except BaseException:
+            await self.stop(grace_s=0)  # what started is closed again: no half-up server
+            raise
         self._refresher = asyncio.create_task(self._refresh_metrics(), name="metrics-refresh")
         if opts.warmup:
             await self._warm_up()

@@ -118,8 +118,10 @@ def _decode_prompt(
     for i, m in enumerate(msg.chat.messages):
         # The tokenizer also checks roles, but only the server knows the proto path.
         if m.role not in CHAT_ROLES:
+            # Quoted briefly: a huge role must not fill the status's metadata.
             raise invalid_argument(
-                f"chat.messages[{i}].role is unknown: {m.role!r} (expected one of {', '.join(CHAT_ROLES)})",
+                f"chat.messages[{i}].role is unknown: {m.role[:32]!r}"
+                f"{'...' if len(m.role) > 32 else ''} (expected one of {', '.join(CHAT_ROLES)})",
                 f"chat.messages[{i}].role",
             )
         total += len(m.content)

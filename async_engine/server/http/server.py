@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import Iterator
 
 import uvicorn
+
+from async_engine.server.start import ServerStartError
 
 
 class _Server(uvicorn.Server):
@@ -24,9 +27,16 @@ class HttpServer:
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._server.serve(), name="http-server")
+        # The socket is bound here, not by uvicorn, which exits the process when it cannot.
+        config = self._server.config
+        try:
+            sock = socket.create_server((config.host, config.port))
+        except OSError as exc:
+            raise ServerStartError(f"the HTTP API cannot listen on {config.host}:{config.port}: "
+                               f"{exc.strerror or exc}") from None  # fmt: skip
+        self._task = asyncio.create_task(self._server.serve([sock]), name="http-server")
         while not self._server.started:
-            if self._task.done():  # e.g. the port is taken: raise that, now
+            if self._task.done():
                 self._task.result()
                 raise RuntimeError("the HTTP server stopped at start")
             await asyncio.sleep(0.01)
