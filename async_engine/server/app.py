@@ -22,12 +22,12 @@ from prometheus_client import start_http_server
 from async_engine.core.engine import AsyncEngine
 from async_engine.server.auth import BearerTokenInterceptor
 from async_engine.server.codec import Limits
+from async_engine.server.handlers import add_generation_service
 from async_engine.server.logs import ensure_logging
 from async_engine.server.metrics import ServerMetrics
 from async_engine.server.service import GenerationService
 from async_engine.server.start import ServerStartError
 from async_engine.v1 import generation_pb2 as pb
-from async_engine.v1 import generation_pb2_grpc as pb_grpc
 from sampler.params import SamplingParams
 
 log = structlog.get_logger("async_engine.server.service")
@@ -85,7 +85,7 @@ class GenerationServer:
                 ("grpc.so_reuseport", 0),  # a busy port must fail, not be shared
             ],
         )
-        pb_grpc.add_GenerationServicer_to_server(self.service, server)
+        add_generation_service(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (
