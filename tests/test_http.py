@@ -128,6 +128,7 @@ def test_completion_logprobs_come_per_token(client):
         ({"top_p": 7.0}, "top_p"),
         ({"n": 10_000}, "n"),
         ({"stop": 5}, "stop"),
+        ({"stop": ["x" * 3000, "y" * 3000]}, "stop"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": [1, "x"]}, "prompt"),
     ],

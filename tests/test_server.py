@@ -220,6 +220,10 @@ async def test_abort_ends_the_named_stream_with_aborted_and_is_idempotent(
             "chat.messages[0].role",
         ),
         ({"request_id": "x" * 300}, "request_id"),
+        ({"stop": ["ab"] * 65}, "stop.stop"),
+        ({"stop": ["x" * 3000, "y" * 3000]}, "stop.stop"),
+        ({"stop_token_ids": list(range(300))}, "stop.stop_token_ids"),
+        ({"structured_output": ("regex", "a" * 300_000)}, "structured_output.regex"),
         ({"stop_token_ids": [10**6]}, "stop.stop_token_ids"),
     ],
 )

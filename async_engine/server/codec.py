@@ -28,6 +28,12 @@ class Limits:
     max_prompt_tokens: int = 1 << 17  # token_ids given directly
     max_request_id_chars: int = 256
     max_tenant_chars: int = 128
+    # Stop matching runs on the event loop for every generated token: keep it bounded.
+    max_stop_strings: int = 64
+    max_stop_chars: int = 4096  # all stop strings together
+    max_stop_token_ids: int = 256
+    max_messages: int = 1024
+    max_structured_chars: int = 1 << 18  # a schema, regex or grammar
 
 
 @dataclass(slots=True)
@@ -61,6 +67,34 @@ class Submission:
         }
 
 
+def _check_sizes(msg: pb.GenerateRequest, limits: Limits) -> None:
+    """Bounds on the parts whose cost grows with their size, before any work on them."""
+    stop = msg.stop
+    if len(stop.stop) > limits.max_stop_strings:
+        raise invalid_argument(f"stop has more than {limits.max_stop_strings} strings", "stop.stop")
+    if sum(len(s) for s in stop.stop) > limits.max_stop_chars:
+        raise invalid_argument(
+            f"stop strings are longer than {limits.max_stop_chars} characters together", "stop.stop"
+        )
+    if len(stop.stop_token_ids) > limits.max_stop_token_ids:
+        raise invalid_argument(
+            f"stop_token_ids has more than {limits.max_stop_token_ids} ids", "stop.stop_token_ids"
+        )
+    if len(msg.chat.messages) > limits.max_messages:
+        raise invalid_argument(
+            f"chat has more than {limits.max_messages} messages", "chat.messages"
+        )
+    kind = msg.structured_output.WhichOneof("kind") if msg.HasField("structured_output") else None
+    if (
+        kind not in (None, "json")
+        and len(getattr(msg.structured_output, kind)) > limits.max_structured_chars
+    ):
+        raise invalid_argument(
+            f"structured_output is longer than {limits.max_structured_chars} characters",
+            f"structured_output.{kind}",
+        )
+
+
 def decode_request(msg: pb.GenerateRequest, limits: Limits) -> Submission:
     """Raises RpcFailure(INVALID_ARGUMENT) naming the field."""
     if len(msg.request_id) > limits.max_request_id_chars:
@@ -75,6 +109,7 @@ def decode_request(msg: pb.GenerateRequest, limits: Limits) -> Submission:
     n = msg.sampling.n or 1
     if n > limits.max_n:
         raise invalid_argument(f"n must be <= {limits.max_n}, got {n}", "sampling.n")
+    _check_sizes(msg, limits)
     try:
         params = SamplingParams(**_params_kwargs(msg))
     except ValueError as exc:

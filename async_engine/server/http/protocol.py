@@ -30,6 +30,8 @@ _SAMPLING = {
     "ignore_eos": "ignore_eos",
 }
 MAX_N = 16
+MAX_STOP_CHARS = 4096  # stop matching runs on the event loop for every token
+MAX_MESSAGES = 1024
 
 
 @dataclass(slots=True)
@@ -63,6 +65,8 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     if isinstance(stop, str):
         return (stop,)
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
+        if sum(len(s) for s in stop) > MAX_STOP_CHARS:
+            raise bad_request(f"stop strings are longer than {MAX_STOP_CHARS} characters", "stop")
         return tuple(stop)
     raise bad_request("stop must be a string or a list of at most 16 strings", "stop")
 
@@ -149,6 +153,8 @@ def chat_request(body: dict[str, Any]) -> HttpSubmission:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")
+    if len(messages) > MAX_MESSAGES:
+        raise bad_request(f"messages has more than {MAX_MESSAGES} entries", "messages")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad_request(f"messages[{i}] must be an object with a role", "messages")
