@@ -311,3 +311,15 @@ def test_a_request_that_could_outgrow_the_whole_kv_pool_is_refused(tiny_model):
             llm.generate([prompt(100)], SamplingParams(max_tokens=40))
         out = llm.generate([prompt(100)], SamplingParams(max_tokens=20, ignore_eos=True))[0]
         assert len(out.token_ids) == 20
+
+
+def test_text_that_cannot_fit_the_context_is_refused_before_tokenizing(default_model: Path):
+    import time as clock
+
+    with LLM(str(default_model), device="sim", max_model_len=256) as llm:
+        huge = "word " * 2_000_000  # 10 MB: tokenizing it would take seconds
+        start = clock.perf_counter()
+        with pytest.raises(ValueError, match="cannot fit the context"):
+            llm.generate([huge], SamplingParams(max_tokens=4))
+        assert clock.perf_counter() - start < 1.0
+        assert llm.generate(["short"], SamplingParams(max_tokens=2))[0].token_ids

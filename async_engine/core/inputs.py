@@ -56,7 +56,7 @@ class InputBuilder:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if tools is not None and messages is None:
             raise ValueError("tools: only a chat (messages) request takes tools")
-        ids = self._prompt_ids(prompt, messages, tools)
+        ids = self._prompt_ids(prompt, messages, tools, truncate_prompt)
         ids = self._fit_context(ids, params, truncate_prompt)
         for t in params.stop_token_ids:
             if t >= self.limits.vocab_size:
@@ -89,6 +89,7 @@ class InputBuilder:
         prompt: Any,
         messages: list[dict[str, Any]] | None,
         tools: list[dict[str, Any]] | None = None,
+        truncate: bool = False,
     ) -> list[int]:
         if messages is not None:
             if prompt is not None:
@@ -99,7 +100,12 @@ class InputBuilder:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            ids = self._need_tokenizer("prompt").encode(prompt)
+            tokenizer = self._need_tokenizer("prompt")
+            fits = self.limits.max_model_len * tokenizer.max_token_chars
+            if len(prompt) > fits and not truncate:
+                raise ValueError(f"prompt: {len(prompt)} characters cannot fit the context of "
+                                 f"{self.limits.max_model_len} tokens (refused before tokenizing)")  # fmt: skip
+            ids = tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
         else:

@@ -12,6 +12,10 @@ class Tokenizer:
 
         self.hf = AutoTokenizer.from_pretrained(str(folder))
         self.vocab_size = len(self.hf)
+        # No token decodes to more characters than its vocabulary entry has (byte-level
+        # entries spell each byte as a character): an upper bound used to refuse, before
+        # tokenizing, text that cannot fit a context.
+        self.max_token_chars = max((len(t) for t in self.hf.get_vocab()), default=1) or 1
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf(text)["input_ids"])
