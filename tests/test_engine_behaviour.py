@@ -323,3 +323,35 @@ def test_text_that_cannot_fit_the_context_is_refused_before_tokenizing(default_m
             llm.generate([huge], SamplingParams(max_tokens=4))
         assert clock.perf_counter() - start < 1.0
         assert llm.generate(["short"], SamplingParams(max_tokens=2))[0].token_ids
+
+
+async def test_a_stream_nobody_reads_is_ended_past_its_byte_budget(default_model: Path):
+    engine = AsyncEngine(model=str(default_model), device="sim", sim_step_ms=0.2,
+                         sim_token_us=0, sim_seq_us=0, sim_ctx_ns=0,
+                         max_unread_bytes_per_stream=4000)  # fmt: skip
+    try:
+        params = SamplingParams(max_tokens=5000, ignore_eos=True, logprobs=5)
+        unread = engine.add_request([5, 6, 7], params)  # its reader never comes
+        for _ in range(500):
+            if unread.finished:
+                break
+            await asyncio.sleep(0.01)
+        assert unread.finish_reason is FinishReason.UNREAD
+        assert len(unread.output_ids) < 5000
+        final = None
+        async for delta in engine.stream(unread):
+            final = delta
+        assert final is not None and final.finish_reason is FinishReason.UNREAD
+        engine.release(unread)
+        assert engine.unread.total == 0, "released streams no longer count"
+        for _ in range(100):
+            if engine.stats().kv_blocks_used == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.stats().kv_blocks_used == 0
+        # A stream that is read keeps going: the budget counts only what waits.
+        read = [d async for d in engine.generate([8, 9], SamplingParams(max_tokens=300,
+                                                 ignore_eos=True, logprobs=5))]  # fmt: skip
+        assert read[-1].finish_reason is FinishReason.LENGTH
+    finally:
+        await engine.aclose()

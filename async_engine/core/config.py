@@ -55,6 +55,10 @@ class EngineConfig:
     max_waiting: int = _opt(4096, "queue limit; past it, submissions are refused")
     enable_prefix_cache: bool = _opt(True, "share KV blocks of identical prompt prefixes")
     device_threads: int | None = _opt(None, "CPU device threads (default: every core)")
+    max_unread_bytes_per_stream: int = _opt(
+        16 << 20, "a stream whose unread output outgrows this is ended (reader too slow)"
+    )
+    max_unread_bytes: int = _opt(512 << 20, "unread output of all streams together, bytes")
     freeze_gc: bool = _opt(True, "move objects alive at start out of the garbage collector's walks")
     seed: int = _opt(0, "seed of dummy weights and of the simulated device's tokens")
     sim_preset: str | None = _opt(None, "sim device cost model preset (see streams/sim)")
@@ -71,7 +75,8 @@ class EngineConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be {'|'.join(allowed)}, got {getattr(self, name)!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
+                     "max_unread_bytes_per_stream", "max_unread_bytes"):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

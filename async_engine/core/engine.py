@@ -27,7 +27,12 @@ from async_engine.core.inputs import (
     QueueFullError,
 )
 from async_engine.core.observer import StepObserver
-from async_engine.core.output import OutputProcessor, RequestDelta, request_timings
+from async_engine.core.output import (
+    OutputProcessor,
+    RequestDelta,
+    UnreadBudget,
+    request_timings,
+)
 from async_engine.core.pacing import StreamPacer
 from async_engine.core.request import FinishReason, Request
 from async_engine.core.scheduler import Scheduler, SchedulerConfig
@@ -90,6 +95,7 @@ class AsyncEngine:
         self._timed: list[Request] = []  # requests with a queue or time limit
         self.observer: StepObserver | None = None  # a profiler's hooks, injected
         self.pacer = StreamPacer()
+        self.unread = UnreadBudget(config.max_unread_bytes_per_stream, config.max_unread_bytes)
         self._step_s = 0.0  # moving average of the device's step time
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
@@ -151,8 +157,10 @@ class AsyncEngine:
         if not req.finished:
             self.finish(req.request_id)
         processor = self._outputs.pop(req.request_id, None)
-        if processor is not None and not processor.quiet_until_finished:
-            self._num_streaming -= 1
+        if processor is not None:
+            processor.stream.discard()
+            if not processor.quiet_until_finished:
+                self._num_streaming -= 1
 
     def add_request(
         self,
@@ -174,7 +182,8 @@ class AsyncEngine:
         req = self.inputs.build(prompt, params, request_id=request_id, **options)
         if self.scheduler.num_waiting >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
-        processor = OutputProcessor(req, self.tokenizer, detokenize, final_only=not stream)
+        processor = OutputProcessor(req, self.tokenizer, detokenize, final_only=not stream,
+                                    budget=self.unread)  # fmt: skip
         self._outputs[req.request_id] = processor
         if not processor.quiet_until_finished:
             self._num_streaming += 1
@@ -412,3 +421,6 @@ class AsyncEngine:
             delta.stop_reason = req.stop_reason
             delta.timings = request_timings(req)
         processor.stream.put(delta)
+        if not req.finished and processor.stream.over_budget():
+            # Its reader fell behind: end it rather than hold its output without bound.
+            self.finish(req.request_id, FinishReason.UNREAD)

@@ -45,6 +45,25 @@ class RequestDelta:
         self.timings = later.timings or self.timings
 
 
+def delta_bytes(delta: RequestDelta) -> int:
+    """About what a delta holds in memory: ids, text, logprobs (for the unread budget)."""
+    size = 8 * len(delta.token_ids) + len(delta.text)
+    if delta.logprobs:
+        size += 16 * len(delta.logprobs)
+    if delta.top_logprobs:
+        size += 32 * sum(len(top) for top in delta.top_logprobs)
+    return size
+
+
+@dataclass(slots=True)
+class UnreadBudget:
+    """Bytes of output waiting for readers, per stream and in all (the engine's limits)."""
+
+    per_stream: int
+    total_limit: int
+    total: int = 0
+
+
 class RequestStream:
     """A request's pending output: the engine never waits for the reader.
 
@@ -52,24 +71,43 @@ class RequestStream:
     caller that wants whole results should not cost the control plane a wake-up per token.
     """
 
-    def __init__(self, final_only: bool = False) -> None:
+    def __init__(self, final_only: bool = False, budget: UnreadBudget | None = None) -> None:
         self._pending: RequestDelta | None = None
         self._ready = asyncio.Event()
         self._final_only = final_only
+        self.budget = budget
+        self.pending_bytes = 0  # what waits for the reader
 
     def put(self, delta: RequestDelta) -> None:
         if self._pending is None:
             self._pending = delta
         else:
             self._pending.merge(delta)
+        if self.budget is not None:
+            size = delta_bytes(delta)
+            self.pending_bytes += size
+            self.budget.total += size
         if delta.finished or not self._final_only:
             self._ready.set()
+
+    def over_budget(self) -> bool:
+        budget = self.budget
+        if budget is None or not self.pending_bytes:
+            return False
+        return self.pending_bytes > budget.per_stream or budget.total > budget.total_limit
+
+    def discard(self) -> None:
+        """The reader is gone: what it left unread no longer counts."""
+        if self.budget is not None:
+            self.budget.total -= self.pending_bytes
+        self.pending_bytes = 0
 
     async def get(self) -> RequestDelta:
         await self._ready.wait()
         self._ready.clear()
         delta, self._pending = self._pending, None
         assert delta is not None  # the event is set only together with a pending delta
+        self.discard()
         return delta
 
 
@@ -77,10 +115,15 @@ class OutputProcessor:
     """Per request: detokenize new tokens, match stop strings, hold back a possible match."""
 
     def __init__(
-        self, req: Request, tokenizer: Tokenizer | None, detokenize: bool, final_only: bool
+        self,
+        req: Request,
+        tokenizer: Tokenizer | None,
+        detokenize: bool,
+        final_only: bool,
+        budget: UnreadBudget | None = None,
     ) -> None:
         self.req = req
-        self.stream = RequestStream(final_only)
+        self.stream = RequestStream(final_only, None if final_only else budget)
         params = req.params
         self.detok = None
         if tokenizer is not None and detokenize:

@@ -22,6 +22,7 @@ class FinishReason(enum.Enum):
     TIME_LIMIT = "time_limit"
     ERROR = "error"  # the step that carried the request failed
     QUEUE_TIMEOUT = "queue_timeout"  # not admitted within max_queue_ms
+    UNREAD = "unread"  # its reader fell behind: unread output outgrew its byte budget
 
     @property
     def simple(self) -> str:
@@ -38,6 +39,7 @@ _SIMPLE = {
     FinishReason.TIME_LIMIT: "abort",
     FinishReason.ERROR: "error",
     FinishReason.QUEUE_TIMEOUT: "abort",
+    FinishReason.UNREAD: "abort",
 }
 
 

@@ -266,7 +266,7 @@ def finished(
 
 
 def is_failure(reason: FinishReason | None) -> bool:
-    return reason in (FinishReason.ERROR, FinishReason.QUEUE_TIMEOUT)
+    return reason in (FinishReason.ERROR, FinishReason.QUEUE_TIMEOUT, FinishReason.UNREAD)
 
 
 __all__ = ["Limits", "RpcFailure", "Submission", "accepted", "chunk", "decode_request", "finished"]

@@ -206,6 +206,11 @@ class GenerationService(pb_grpc.GenerationServicer):
 def _raise_if_failed(call: _Call, delta: RequestDelta) -> None:
     if delta.finish_reason is FinishReason.QUEUE_TIMEOUT:
         raise resource_exhausted("request was not admitted within max_queue_ms", "QUEUE_TIMEOUT")
+    if delta.finish_reason is FinishReason.UNREAD:
+        raise resource_exhausted(
+            "the stream was not read fast enough: its unread output outgrew the server's budget",
+            "UNREAD_OUTPUT",
+        )
     if delta.finish_reason is FinishReason.ERROR:
         raise internal("the model step running this request failed", call.request_id)
 

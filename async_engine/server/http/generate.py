@@ -68,6 +68,8 @@ class OpenAIGeneration:
                 raise HttpError(500, "the model step running this request failed")
             if delta.finish_reason is FinishReason.QUEUE_TIMEOUT:
                 raise HttpError(429, "request was not admitted in time", code="queue_timeout")
+            if delta.finish_reason is FinishReason.UNREAD:
+                raise HttpError(429, "the stream was not read fast enough", code="unread_output")
             self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
             yield index, delta
 
