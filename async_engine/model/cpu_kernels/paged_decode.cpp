@@ -16,6 +16,23 @@
 namespace {
 using namespace kernels;
 
+// Each of `rows` rows of `n` scores becomes exp(score - max), unnormalised; inv_sums[r]
+// gets 1 / its sum (the caller scales its weighted sum once instead of every weight).
+inline void softmax_rows(float* scores, int64_t n, int rows, float* inv_sums) {
+    for (int r = 0; r < rows; ++r) {
+        float* row = scores + r * n;
+        float top = -INFINITY;
+        for (int64_t i = 0; i < n; ++i) top = row[i] > top ? row[i] : top;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; ++i) {
+            row[i] = fast_exp(row[i] - top);
+            sum += row[i];
+        }
+        inv_sums[r] = 1.0f / sum;
+    }
+}
+
 // q . k over head_dim floats. The generic loop leaves its reduction to the compiler, which
 // sums the vector lanes one by one through the stack; the AVX-512 one reduces in registers.
 inline float dot(const float* a, const float* b, int n) {
@@ -68,18 +85,7 @@ void paged_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t*
                 }
             }
         }
-        for (int h = 0; h < heads; ++h) {
-            float* sh = scores.data() + h * ctx;
-            float top = -INFINITY;
-            for (int64_t pos = 0; pos < ctx; ++pos) top = sh[pos] > top ? sh[pos] : top;
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t pos = 0; pos < ctx; ++pos) {
-                sh[pos] = fast_exp(sh[pos] - top);
-                sum += sh[pos];
-            }
-            inv_sums[h] = 1.0f / sum;
-        }
+        softmax_rows(scores.data(), ctx, heads, inv_sums.data());
         for (int64_t pos = 0, block = 0; pos < ctx; pos += block_size, ++block) {
             const T* rows = v_cache + table[block] * block_stride;
             const int64_t n = ctx - pos < block_size ? ctx - pos : block_size;
@@ -146,18 +152,7 @@ void decode_one_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
         }
     }
     std::vector<float> inv_sums(heads);
-    for (int h = 0; h < heads; ++h) {
-        float* sh = scores + h * ctx;
-        float top = -INFINITY;
-        for (int64_t pos = 0; pos < ctx; ++pos) top = sh[pos] > top ? sh[pos] : top;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t pos = 0; pos < ctx; ++pos) {
-            sh[pos] = fast_exp(sh[pos] - top);
-            sum += sh[pos];
-        }
-        inv_sums[h] = 1.0f / sum;
-    }
+    softmax_rows(scores, ctx, heads, inv_sums.data());
     for (int i = 0; i < heads * D; ++i) acc_mem[i] = 0.0f;
     for (int64_t p0 = 0; p0 < ctx; p0 += 16) {
         const int n = ctx - p0 < 16 ? static_cast<int>(ctx - p0) : 16;

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -135,7 +136,7 @@ class OpenAIApp:
         return None
 
 
-async def _released(gen: OpenAIGeneration):  # noqa: ANN202 - an async generator of str
+async def _released(gen: OpenAIGeneration) -> AsyncIterator[str]:
     """The stream's events; its requests are released however the stream ends."""
     try:
         async for event in gen.events():
