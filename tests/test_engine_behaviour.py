@@ -355,3 +355,33 @@ async def test_a_stream_nobody_reads_is_ended_past_its_byte_budget(default_model
         assert read[-1].finish_reason is FinishReason.LENGTH
     finally:
         await engine.aclose()
+
+
+async def test_a_long_text_prompt_is_tokenized_off_the_event_loop(default_model: Path):
+    engine = AsyncEngine(model=str(default_model), device="sim")
+    try:
+        text = "word " * 80_000  # ~0.1 s of tokenizing
+        gaps: list[float] = []
+        loop = asyncio.get_running_loop()
+
+        async def ticker() -> None:
+            last = loop.time()
+            while True:
+                await asyncio.sleep(0.002)
+                now = loop.time()
+                gaps.append(now - last)
+                last = now
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0.01)
+        start = loop.time()
+        ids = await engine.prepare_prompt(text)
+        took = loop.time() - start
+        tick.cancel()
+        assert ids == engine.tokenizer.encode(text)
+        assert took > 0.03 and max(gaps) < took / 2, "the loop kept turning meanwhile"
+        assert await engine.prepare_prompt("short") == "short"
+        with pytest.raises(ValueError, match="cannot fit"):
+            await engine.prepare_prompt("x" * 10_000_000)
+    finally:
+        await engine.aclose()

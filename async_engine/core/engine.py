@@ -55,6 +55,7 @@ class EngineClosedError(RuntimeError):
 
 class AsyncEngine:
     SPIN_BELOW_S = 5e-3  # device steps shorter than this are awaited by polling
+    OFF_LOOP_CHARS = 16_384  # text prompts at least this long are tokenized off the loop
 
     def __init__(
         self,
@@ -193,6 +194,17 @@ class AsyncEngine:
         assert self._wake is not None
         self._wake.set()
         return req
+
+    async def prepare_prompt(
+        self, prompt: str | list[int] | None, truncate: bool = False
+    ) -> str | list[int] | None:
+        """A long text prompt tokenized on a worker thread (the Rust tokenizer drops the GIL),
+        so that a client's megabytes of text never stall the event loop every stream and the
+        engine share; short prompts and token ids come back as they are."""
+        if not isinstance(prompt, str) or len(prompt) < self.OFF_LOOP_CHARS or not self.tokenizer:
+            return prompt
+        self.inputs.check_text_fits(prompt, truncate)
+        return await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode, prompt)
 
     def check_structured_output(self, params: SamplingParams) -> None:
         """Compile the request's grammar here first, so a bad one is a ValueError naming

@@ -84,6 +84,13 @@ class InputBuilder:
             req.time_deadline = req.arrival_time + time_limit_ms / 1000
         return req
 
+    def check_text_fits(self, text: str, truncate: bool = False) -> None:
+        """Refuse, before tokenizing, text too long for the context whatever its tokens."""
+        fits = self.limits.max_model_len * self._need_tokenizer("prompt").max_token_chars
+        if len(text) > fits and not truncate:
+            raise ValueError(f"prompt: {len(text)} characters cannot fit the context of "
+                             f"{self.limits.max_model_len} tokens (refused before tokenizing)")  # fmt: skip
+
     def _prompt_ids(
         self,
         prompt: Any,
@@ -100,12 +107,8 @@ class InputBuilder:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            tokenizer = self._need_tokenizer("prompt")
-            fits = self.limits.max_model_len * tokenizer.max_token_chars
-            if len(prompt) > fits and not truncate:
-                raise ValueError(f"prompt: {len(prompt)} characters cannot fit the context of "
-                                 f"{self.limits.max_model_len} tokens (refused before tokenizing)")  # fmt: skip
-            ids = tokenizer.encode(prompt)
+            self.check_text_fits(prompt, truncate)
+            ids = self._need_tokenizer("prompt").encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
         else:

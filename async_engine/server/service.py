@@ -65,7 +65,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            call = self._admit(request)
+            call = await self._admit(request)
         except RpcFailure as failure:
             await context.abort_with_status(failure.to_status())
             return
@@ -85,10 +85,14 @@ class GenerationService(pb_grpc.GenerationServicer):
         if failure is not None:
             await context.abort_with_status(failure.to_status())
 
-    def _admit(self, request: pb.GenerateRequest) -> _Call:
+    async def _admit(self, request: pb.GenerateRequest) -> _Call:
         if self.draining:
             raise unavailable("server is draining; retry on another replica")
         sub = decode_request(request, self.limits)
+        try:
+            sub.prompt = await self.engine.prepare_prompt(sub.prompt)
+        except ValueError as exc:
+            raise invalid_argument(str(exc), prompt_field=sub.prompt_field) from None
         rid = sub.request_id or uuid.uuid4().hex
         if rid in self.calls:
             raise already_exists(rid)

@@ -83,6 +83,10 @@ class OpenAIApp:
                     await asyncio.get_running_loop().run_in_executor(None, check, sub.params)
                 except ValueError as exc:
                     raise bad_request(str(exc), "response_format") from None
+            try:
+                sub.prompt = await self.engine.prepare_prompt(sub.prompt)
+            except ValueError as exc:
+                raise bad_request(str(exc), "prompt") from None
             gen = OpenAIGeneration(self.engine, sub, chat, request.headers.get("x-request-id"))
             gen.submit()
         except HttpError as exc:
