@@ -34,6 +34,19 @@ def start_server(
     return BackgroundServer(AsyncEngine(device_wrapper=device_wrapper, **settings), options)
 
 
+def http_server(model: Path, **engine: Any) -> BackgroundServer:
+    """A live server with the OpenAI HTTP API on a free port (and gRPC)."""
+    return start_server(model, ServerOptions(port=0, metrics_port=None, http_port=0), **engine)
+
+
+def openai_client(server: BackgroundServer) -> Any:
+    """The official client pointed at the server's HTTP API, without retries."""
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.server.http_port}/v1",
+                         api_key="unused", max_retries=0)  # fmt: skip
+
+
 def token_prompts(count: int, seed: int = 0, lo: int = 5, hi: int = 60) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, 40000) for _ in range(rng.randint(lo, hi))] for _ in range(count)]

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from server_helpers import start_server
+from server_helpers import http_server, openai_client, start_server
 
 from async_engine.core.request import FinishReason
 from async_engine.server.app import BackgroundServer, ServerOptions
@@ -20,15 +20,14 @@ GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Path):
-    srv = start_server(tiny_model, ServerOptions(port=0, metrics_port=None, http_port=0))
+    srv = http_server(tiny_model)
     yield srv
     srv.close()
 
 
 @pytest.fixture
 def client(server: BackgroundServer):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.server.http_port}/v1",
-                         api_key="unused", max_retries=0)  # fmt: skip
+    return openai_client(server)
 
 
 def raw(server: BackgroundServer, method: str, path: str, body: bytes | None = None,

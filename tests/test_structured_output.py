@@ -7,10 +7,10 @@ import re
 from pathlib import Path
 
 import pytest
-from server_helpers import start_server
+from server_helpers import http_server, openai_client
 
 from async_engine import LLM, SamplingParams
-from async_engine.server.app import BackgroundServer, ServerOptions
+from async_engine.server.app import BackgroundServer
 from async_engine.server.http.tools import ToolSpec
 
 openai = pytest.importorskip("openai")
@@ -64,16 +64,14 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"typ
 
 @pytest.fixture(scope="module")
 def server(default_model: Path):
-    srv = start_server(default_model, ServerOptions(port=0, metrics_port=None, http_port=0),
-                       dtype="bfloat16", device_threads=2)  # fmt: skip
+    srv = http_server(default_model, dtype="bfloat16", device_threads=2)
     yield srv
     srv.close()
 
 
 @pytest.fixture
 def client(server: BackgroundServer):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.server.http_port}/v1",
-                         api_key="unused", max_retries=0)  # fmt: skip
+    return openai_client(server)
 
 
 def ask(client, content: str, **options):
