@@ -375,13 +375,13 @@ async def test_a_long_text_prompt_is_tokenized_off_the_event_loop(default_model:
         tick = asyncio.create_task(ticker())
         await asyncio.sleep(0.01)
         start = loop.time()
-        ids = await engine.prepare_prompt(text)
+        ids = await engine.prepare(text, None)
         took = loop.time() - start
         tick.cancel()
         assert ids == engine.tokenizer.encode(text)
         assert took > 0.03 and max(gaps) < took / 2, "the loop kept turning meanwhile"
-        assert await engine.prepare_prompt("short") == "short"
+        assert await engine.prepare("short", None) == "short"
         with pytest.raises(ValueError, match="cannot fit"):
-            await engine.prepare_prompt("x" * 10_000_000)
+            await engine.prepare("x" * 10_000_000, None)
     finally:
         await engine.aclose()

@@ -175,29 +175,21 @@ def cmd_offline(args: argparse.Namespace) -> int:
     if simulated:  # no weights run: the roofline is the cost model's device-bound ideal
         results["sim"] = compare_modes(options, prompts, work.max_tokens, args.rounds)
     else:
+        from async_engine.bench.matmul import matmul_only_ms
+        from async_engine.bench.structured import run_structured
+
         cores = os.cpu_count() or 1
         thread_counts = [config.resolved_device_threads()]
         if args.device_threads is None and cores not in thread_counts:
             thread_counts.append(cores)  # also show the device with every core
         for threads in thread_counts:
-            results[f"device_threads={threads}"] = compare_modes(
-                {**options, "device_threads": threads}, prompts, work.max_tokens, args.rounds
-            )
-    if not simulated:
-        from async_engine.bench.matmul import matmul_only_ms
-
-        for name, r in results.items():
-            threads = int(name.split("=")[1])
+            runs = {**options, "device_threads": threads}
+            r = compare_modes(runs, prompts, work.max_tokens, args.rounds)
             r["matmul_only_ms"] = matmul_only_ms(str(folder), dtype, r["full_decode_batch"],
                                                  threads)  # fmt: skip
-    if args.structured and not simulated:
-        from async_engine.bench.structured import run_structured
-
-        for name, r in results.items():
-            threads = int(name.split("=")[1])
-            r["structured_tokens_per_s"] = run_structured(
-                {**options, "device_threads": threads}, prompts, work.max_tokens
-            )
+            if args.structured:
+                r["structured_tokens_per_s"] = run_structured(runs, prompts, work.max_tokens)
+            results[f"device_threads={threads}"] = r
     hf = None
     if not (args.skip_hf or simulated):
         hf = run_hf(str(folder), dtype, prompts, work.max_tokens)

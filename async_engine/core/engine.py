@@ -195,16 +195,21 @@ class AsyncEngine:
         self._wake.set()
         return req
 
-    async def prepare_prompt(
-        self, prompt: str | list[int] | None, truncate: bool = False
+    async def prepare(
+        self, prompt: str | list[int] | None, params: SamplingParams | None
     ) -> str | list[int] | None:
-        """A long text prompt tokenized on a worker thread (the Rust tokenizer drops the GIL),
-        so that a client's megabytes of text never stall the event loop every stream and the
-        engine share; short prompts and token ids come back as they are."""
+        """The slow parts of a submission, on a worker thread instead of the event loop every
+        stream shares: tokenizing a long text prompt (the Rust tokenizer drops the GIL) and
+        compiling a grammar (the first reads the tokenizer's vocabulary). Returns the prompt,
+        as token ids where it was tokenized; ``add_request`` then finds the grammar cached.
+        Raises ValueError naming prompt or structured_output."""
+        loop = asyncio.get_running_loop()
+        if params is not None and params.structured_output is not None:
+            await loop.run_in_executor(None, self.check_structured_output, params)
         if not isinstance(prompt, str) or len(prompt) < self.OFF_LOOP_CHARS or not self.tokenizer:
             return prompt
-        self.inputs.check_text_fits(prompt, truncate)
-        return await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode, prompt)
+        self.inputs.check_text_fits(prompt)
+        return await loop.run_in_executor(None, self.tokenizer.encode, prompt)
 
     def check_structured_output(self, params: SamplingParams) -> None:
         """Compile the request's grammar here first, so a bad one is a ValueError naming
@@ -348,14 +353,14 @@ class AsyncEngine:
         start = time.monotonic()
         result = await self.link.result(future, self._spin_budget())
         resumed = time.monotonic()
-        self._step_s += 0.1 * (result.device_end - result.device_start - self._step_s)
+        step = result.device_end - result.device_start
+        self._step_s += 0.1 * (step - self._step_s)
         self._phase("wait", plan.step_id, start, resumed)
         # From when the engine could go on (waiting, result in) to when the loop let it.
         # Only GPU-speed steps are paced: beside a CPU step of 10 ms and more, the delay
         # is mostly the OS scheduling the loop's thread among busy device threads, and
         # coalescing tokens would only lengthen inter-token latency.
         held_up = resumed - max(start, result.device_end)
-        step = result.device_end - result.device_start
         self.pacer.observe(held_up if step < self.SPIN_BELOW_S else 0.0, step)
         return result
 

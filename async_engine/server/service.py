@@ -90,7 +90,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             raise unavailable("server is draining; retry on another replica")
         sub = decode_request(request, self.limits)
         try:
-            sub.prompt = await self.engine.prepare_prompt(sub.prompt)
+            sub.prompt = await self.engine.prepare(sub.prompt, sub.params)
         except ValueError as exc:
             raise invalid_argument(str(exc), prompt_field=sub.prompt_field) from None
         rid = sub.request_id or uuid.uuid4().hex

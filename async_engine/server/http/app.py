@@ -76,17 +76,11 @@ class OpenAIApp:
             if sub.model not in self.model_names:
                 raise HttpError(404, f"model {sub.model!r} is not served here", "model",
                                 "model_not_found")  # fmt: skip
-            if sub.params.structured_output is not None:
-                # The first grammar reads the tokenizer's vocabulary: not on the event loop.
-                check = self.engine.check_structured_output
-                try:
-                    await asyncio.get_running_loop().run_in_executor(None, check, sub.params)
-                except ValueError as exc:
-                    raise bad_request(str(exc), "response_format") from None
             try:
-                sub.prompt = await self.engine.prepare_prompt(sub.prompt)
+                sub.prompt = await self.engine.prepare(sub.prompt, sub.params)
             except ValueError as exc:
-                raise bad_request(str(exc), "prompt") from None
+                grammar = str(exc).startswith("structured_output")
+                raise bad_request(str(exc), "response_format" if grammar else "prompt") from None
             gen = OpenAIGeneration(self.engine, sub, chat, request.headers.get("x-request-id"))
             gen.submit()
         except HttpError as exc:

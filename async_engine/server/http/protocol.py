@@ -51,9 +51,8 @@ def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any 
     value = body.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) and bool not in kinds:
-        raise bad_request(f"{name} must be {' or '.join(k.__name__ for k in kinds)}", name)
-    if not isinstance(value, kinds):
+    # bool is an int to Python, but `max_tokens: true` is a client bug, not 1.
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         raise bad_request(f"{name} must be {' or '.join(k.__name__ for k in kinds)}", name)
     return value
 
