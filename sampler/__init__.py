@@ -1,6 +1,19 @@
-"""Sampling settings and the batched sampler; depends only on torch and the stdlib."""
+"""Sampling settings and the batched sampler; depends only on torch and the stdlib.
+
+``SamplingParams`` needs no torch: a process that only unpickles plans (the simulated
+device) must not pay a second of importing it, so the sampler loads on first use.
+"""
+
+from typing import Any
 
 from sampler.params import MAX_LOGPROBS, SamplingParams
-from sampler.sampler import Sampler, SampleResult, SlotState
 
 __all__ = ["MAX_LOGPROBS", "SampleResult", "Sampler", "SamplingParams", "SlotState"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("SampleResult", "Sampler", "SlotState"):
+        from sampler import sampler
+
+        return getattr(sampler, name)
+    raise AttributeError(f"module 'sampler' has no attribute {name!r}")

@@ -66,3 +66,11 @@ class Device(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop the device; safe to call twice."""
+
+    def heartbeat_age(self) -> float:
+        """Seconds since the device last showed it is responsive (0: it has no heartbeat)."""
+        return 0.0
+
+    def kill(self) -> None:
+        """Stop a device that may not answer (hung, stopped); by default, ``close``."""
+        self.close()

@@ -16,10 +16,14 @@ multiprocessing child: the caller's ``__main__`` is never re-imported, so script
 
 from __future__ import annotations
 
+import mmap
 import os
 import pickle
+import struct
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -39,6 +43,7 @@ MALLOC_TUNING = {
     "MALLOC_TRIM_THRESHOLD_": str(4 << 30),
     "MALLOC_TOP_PAD_": str(256 << 20),
 }
+HEARTBEAT_S = 0.2  # how often the device process stamps its heartbeat
 # Frame kinds: the first byte of every message.
 STEP, REPLAY, SHUTDOWN, RESULT, READY, FAILED = b"S", b"R", b"Q", b"r", b"+", b"!"
 
@@ -50,8 +55,10 @@ class ProcessDevice(Device):
         root = str(Path(__file__).resolve().parent.parent)
         env = {**MALLOC_TUNING, **os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (root, os.environ.get("PYTHONPATH")) if p)}  # fmt: skip
+        self._heartbeat, heartbeat_path = _heartbeat_page()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "streams.process_device", str(plan_r), str(result_w)],
+            [sys.executable, "-m", "streams.process_device", str(plan_r), str(result_w),
+             heartbeat_path],
             pass_fds=(plan_r, result_w), env=env, cwd=root,
         )  # fmt: skip
         os.close(plan_r)
@@ -61,13 +68,24 @@ class ProcessDevice(Device):
         self._result_recv = Connection(result_r, writable=False)
         self._closed = False
         self._plan_send.send_bytes(pickle.dumps(spec))
-        if not self._result_recv.poll(start_timeout):
-            self.close()
-            raise DeviceError("device process did not start in time")
-        frame = self._recv()
+        try:
+            if not self._result_recv.poll(start_timeout):
+                self.kill()
+                raise DeviceError("device process did not start in time")
+            frame = self._recv()
+        finally:
+            os.unlink(heartbeat_path)  # both sides have it mapped; nobody needs the name
         if frame[:1] != READY:
             self.close()
             raise DeviceError(f"device process failed to start:\n{frame[1:].decode()}")
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def heartbeat_age(self) -> float:
+        (stamp,) = struct.unpack_from("d", self._heartbeat, 0)
+        return time.monotonic() - stamp
 
     def launch(self, plan: StepPlan) -> None:
         self._send(STEP + encode_plan(plan))
@@ -101,8 +119,18 @@ class ProcessDevice(Device):
         try:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
+            self.kill()
+        self._release()
+
+    def kill(self) -> None:
+        """End the process now (a hung or stopped one cannot be asked to shut down)."""
+        self._closed = True
+        if self._proc.poll() is None:
             self._proc.kill()
-            self._proc.wait(timeout=5)
+            self._proc.wait(timeout=10)
+        self._release()
+
+    def _release(self) -> None:
         self._plan_send.close()
         self._result_recv.close()
 
@@ -134,7 +162,33 @@ def _enlarge_pipe(fd: int, size: int = 1 << 20) -> None:
         pass  # a smaller pipe only means launch() may wait for the device to catch up
 
 
-def _device_main(plan_recv: Connection, result_send: Connection) -> None:
+def _heartbeat_page() -> tuple[mmap.mmap, str]:
+    """A shared 8-byte page: the device stamps CLOCK_MONOTONIC (system-wide) into it."""
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    fd, path = tempfile.mkstemp(prefix="async-engine-heartbeat-", dir=folder)
+    try:
+        os.write(fd, struct.pack("d", time.monotonic()))
+        return mmap.mmap(fd, 8), path
+    finally:
+        os.close(fd)
+
+
+def _start_heartbeat(path: str) -> None:
+    """Stamp the heartbeat page from a thread: a process that is stopped, or wedged with the
+    GIL held, goes quiet, which a dead-process check alone cannot see."""
+    with open(path, "r+b") as f:
+        page = mmap.mmap(f.fileno(), 8)
+
+    def beat() -> None:
+        while True:
+            struct.pack_into("d", page, 0, time.monotonic())
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=beat, daemon=True, name="heartbeat").start()
+
+
+def _device_main(plan_recv: Connection, result_send: Connection, heartbeat: str) -> None:
+    _start_heartbeat(heartbeat)
     try:
         spec: DeviceSpec = pickle.loads(plan_recv.recv_bytes())
         if spec.threads:
@@ -201,5 +255,7 @@ def _read_ahead(
 
 if __name__ == "__main__":
     _device_main(
-        Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False)
+        Connection(int(sys.argv[1]), writable=False),
+        Connection(int(sys.argv[2]), readable=False),
+        sys.argv[3],
     )

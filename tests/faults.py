@@ -53,7 +53,42 @@ class FailingDevice(Device):
     def close(self) -> None:
         self.device.close()
 
+    def heartbeat_age(self) -> float:
+        return self.device.heartbeat_age()
+
+    def kill(self) -> None:
+        self.device.kill()
+
+    @property
+    def pid(self) -> int:
+        return self.device.pid  # type: ignore[attr-defined]
+
 
 def fail_on(token: int) -> Callable[[Device], Device]:
     """A ``device_wrapper`` for AsyncEngine or LLM: steps whose input holds ``token`` fail."""
     return lambda device: FailingDevice(device, token)
+
+
+class WithholdingDevice(FailingDevice):
+    """From the first step whose input holds ``poison`` on, no result ever comes back: a
+    device that hangs mid-step while its process (and heartbeat) stay alive."""
+
+    def __init__(self, device: Device, poison: int) -> None:
+        super().__init__(device, poison)
+        self._hung_from: int | None = None
+
+    def launch(self, plan: StepPlan) -> None:
+        if self._hung_from is None and self.poison in list(plan.input_ids):
+            self._hung_from = plan.step_id
+        self.device.launch(plan)
+
+    def collect(self) -> list[StepResult]:
+        results = self.device.collect()
+        if self._hung_from is None:
+            return results
+        return [r for r in results if r.step_id < self._hung_from]
+
+
+def withhold_after(token: int) -> Callable[[Device], Device]:
+    """A ``device_wrapper``: results stop at the first step whose input holds ``token``."""
+    return lambda device: WithholdingDevice(device, token)

@@ -28,6 +28,12 @@ def add_parser(sub: Any) -> None:
         help="seconds in-flight requests get on SIGTERM",
     )
     p.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=60.0,
+        help="a stream whose client reads nothing for this many seconds is cancelled",
+    )
+    p.add_argument(
         "--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API port (0: off)"
     )
     p.add_argument("--http-host", default=None, help="HTTP bind address (default: --host)")
@@ -65,6 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         drain_timeout_s=args.drain_timeout,
+        stream_idle_timeout_s=args.stream_idle_timeout,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         auth_token=token,
@@ -82,16 +89,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from async_engine.server.start import ServerStartError
 
     try:
-        uvloop.run(_serve(engine, options))
+        stopped_for_good = uvloop.run(_serve(engine, options))
     except ServerStartError as exc:
         structlog.get_logger("async_engine.server").error("server.start_failed", error=str(exc))
         return 2
     finally:
         engine.close()
-    return 0
+    return 1 if stopped_for_good else 0
 
 
-async def _serve(engine: Any, options: Any) -> None:
+async def _serve(engine: Any, options: Any) -> bool:
+    """Serve until a signal (drain, then stop) or until the engine stops for good (its
+    device kept failing): True in that case, so that an orchestrator replaces the replica."""
     import structlog
 
     from async_engine.server.app import GenerationServer
@@ -103,7 +112,17 @@ async def _serve(engine: Any, options: Any) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
     await server.start()
-    received = await signals.get()
+    signalled = asyncio.create_task(signals.get())
+    engine_stopped = asyncio.create_task(engine.stopped.wait())
+    await asyncio.wait((signalled, engine_stopped), return_when=asyncio.FIRST_COMPLETED)
+    if not signalled.done():
+        signalled.cancel()
+        log.error("server.engine_stopped", error=str(engine.fatal_error), action="exit")
+        await server.stop(grace_s=0.5)
+        await engine.aclose()
+        return True
+    engine_stopped.cancel()
+    received = signalled.result()
     log.info("server.signal", signal=signal.Signals(received).name, action="drain")
     drain = asyncio.create_task(server.drain())
     second = asyncio.create_task(signals.get())
@@ -113,6 +132,7 @@ async def _serve(engine: Any, options: Any) -> None:
         task.cancel()
     await server.stop(grace_s=0.5)
     await engine.aclose()
+    return False
 
 
 def attach_profiler(engine: Any, out_dir: str) -> Any:

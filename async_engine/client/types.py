@@ -67,10 +67,13 @@ class Load:
     kv_usage: float
     free_blocks: int
     total_blocks: int
+    device_state: str = "serving"  # serving | restarting | failed
+    device_restarts: int = 0
 
     @classmethod
     def from_pb(cls, m: Any) -> Load:
-        return cls(m.running, m.waiting, m.kv_usage, m.free_blocks, m.total_blocks)
+        return cls(m.running, m.waiting, m.kv_usage, m.free_blocks, m.total_blocks,
+                   m.device_state, m.device_restarts)  # fmt: skip
 
 
 class EngineError(Exception):

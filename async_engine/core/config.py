@@ -59,6 +59,15 @@ class EngineConfig:
         16 << 20, "a stream whose unread output outgrows this is ended (reader too slow)"
     )
     max_unread_bytes: int = _opt(512 << 20, "unread output of all streams together, bytes")
+    device_restart_limit: int = _opt(
+        5, "device restarts allowed per 10 minutes; past it the engine stops (serve exits 1)"
+    )
+    device_heartbeat_timeout_s: float = _opt(
+        3.0, "a device whose heartbeat is quiet this long is hung: it is killed and replaced"
+    )
+    device_step_timeout_s: float = _opt(
+        120.0, "a step running longer than this (or 20x its expected time) loses the device"
+    )
     freeze_gc: bool = _opt(True, "move objects alive at start out of the garbage collector's walks")
     seed: int = _opt(0, "seed of dummy weights and of the simulated device's tokens")
     sim_preset: str | None = _opt(None, "sim device cost model preset (see streams/sim)")
@@ -80,6 +89,14 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.device_restart_limit, int) or self.device_restart_limit < 0:
+            raise ValueError(
+                f"device_restart_limit must be an integer >= 0, got {self.device_restart_limit!r}"
+            )
+        for name in ("device_heartbeat_timeout_s", "device_step_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not 0.5 <= value < 1e6:
+                raise ValueError(f"{name} must be a number of seconds >= 0.5, got {value!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -5,6 +5,10 @@ overlap_loop, per iteration:
     launch(plan[N+1])                 # enqueue; returns at once
     await out[N]                      # the device's completion fd wakes the event loop
     apply(plan[N], out[N])            # stops, frees, stream deltas out
+
+A device that dies, hangs or overruns a step is replaced (``_recover``): requests whose
+reader has seen no output start over on the new device, the others end with DEVICE_LOST,
+and the engine serves again; past the restart budget it stops for good.
 """
 
 from __future__ import annotations
@@ -37,11 +41,12 @@ from async_engine.core.pacing import StreamPacer
 from async_engine.core.request import FinishReason, Request
 from async_engine.core.scheduler import Scheduler, SchedulerConfig
 from async_engine.core.stats import DeviceTimeline, EngineStats, PhaseClock
+from async_engine.core.supervisor import DeviceState, RestartPolicy, Supervisor
 from async_engine.core.tokenizer import Tokenizer
 from async_engine.model import build_model, load_model_config, resolve_model
 from blockalloc import BlockPool
 from sampler.params import SamplingParams
-from streams.device import Device, DeviceSpec
+from streams.device import Device, DeviceError, DeviceSpec
 from streams.factory import create_device, model_spec, sim_spec
 from streams.plan import StepPlan, StepResult
 from streams.sim import cost_model
@@ -85,25 +90,35 @@ class AsyncEngine:
             InputLimits(mc.vocab_size, self.max_model_len, num_blocks, config.block_size, eos),
             self.tokenizer,
         )
-        self.device = create_device(self._device_spec(num_blocks))
-        if device_wrapper is not None:  # tests inject faults here; the engine never does
-            self.device = device_wrapper(self.device)
+        self._device_wrapper = device_wrapper  # tests inject faults here; the engine never does
+        self.device = self._start_device()
         self.timeline = DeviceTimeline()
         self.phase_clock = PhaseClock()
         self._outputs: dict[str, OutputProcessor] = {}  # per request, until released
         self._num_streaming = 0  # readers that want output before the end
-        self.link = DeviceLink(self.device, self._on_step_done)
+        self.link = self._new_link()
+        self.supervisor = Supervisor(RestartPolicy(config.device_restart_limit))
+        self.stopped = asyncio.Event()  # set when the engine stops for good (see fatal_error)
         self._timed: list[Request] = []  # requests with a queue or time limit
         self.observer: StepObserver | None = None  # a profiler's hooks, injected
         self.pacer = StreamPacer()
         self.unread = UnreadBudget(config.max_unread_bytes_per_stream, config.max_unread_bytes)
         self._step_s = 0.0  # moving average of the device's step time
+        self._step_tokens = 1.0  # and of its input tokens
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._closed = False
         self.fatal_error: BaseException | None = None
         self._grammars: Any = None  # streams.grammar.Grammars, on the first structured request
+
+    def _start_device(self) -> Device:
+        """A new device process (blocks until it is ready: seconds, a model load)."""
+        device = create_device(self._device_spec(self.pool.num_blocks))
+        return device if self._device_wrapper is None else self._device_wrapper(device)
+
+    def _new_link(self) -> DeviceLink:
+        return DeviceLink(self.device, self._on_step_done, self.config.device_heartbeat_timeout_s)
 
     def _device_spec(self, num_blocks: int) -> DeviceSpec:
         config, bs = self.config, self.config.block_size
@@ -294,15 +309,85 @@ class AsyncEngine:
         self._task = self._loop.create_task(self._run(loop_fn), name="async-engine-loop")
 
     async def _run(self, loop_fn: Any) -> None:
-        try:
-            await loop_fn()
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # the device died: fail every request, refuse new ones
-            self.fatal_error = exc
-            for req in list(self.scheduler.requests.values()):
-                self.finish(req.request_id, FinishReason.ERROR)
-            raise
+        while True:
+            try:
+                await loop_fn()
+            except asyncio.CancelledError:
+                raise
+            except DeviceError as exc:
+                if await self._recover(exc):
+                    continue
+                self._stop_for_good(exc, FinishReason.DEVICE_LOST)
+                raise
+            except BaseException as exc:  # a bug of the control plane's: nothing to retry
+                self._stop_for_good(exc, FinishReason.ERROR)
+                raise
+
+    def _stop_for_good(self, exc: BaseException, reason: FinishReason) -> None:
+        """Fail every request and refuse new ones; their blocks return at once (no step of
+        the lost device will ever complete)."""
+        self.fatal_error = exc
+        self.supervisor.gave_up()
+        self.link.detach()
+        for req in self.scheduler.device_lost(lambda req: False, reason):
+            self._emit(req)
+        for req in list(self.scheduler.requests.values()):
+            self.finish(req.request_id, reason)
+        self.stopped.set()
+
+    async def _recover(self, exc: DeviceError) -> bool:
+        """Replace a lost device; True once a new one serves, False if the budget is spent.
+
+        Requests whose reader has taken no output yet start over (at most once: a request
+        that was on two lost devices may be what kills them); the rest end with DEVICE_LOST.
+        Submissions keep queueing meanwhile; health reports the restart.
+        """
+        loop = asyncio.get_running_loop()
+        lost_at = time.monotonic()
+        self.supervisor.lost(str(exc))
+        log.error("device.lost", error=str(exc), restarts=self.supervisor.restarts,
+                  running=self.scheduler.num_running)  # fmt: skip
+        self.link.detach()
+        # Decided before the first await: a reader that takes output meanwhile must not
+        # find it dropped under it.
+        for req in self.scheduler.device_lost(self._can_start_over):
+            self._emit(req)
+        for req in self.scheduler.requests.values():
+            processor = self._outputs.get(req.request_id)
+            if processor is not None and req.num_device_losses and not req.output_ids:
+                processor.start_over()
+        self.timeline.forget_inflight()
+        await loop.run_in_executor(None, self.device.kill)
+        while (delay := self.supervisor.next_attempt_delay()) is not None:
+            await asyncio.sleep(delay)
+            try:
+                device = await loop.run_in_executor(None, self._start_device)
+            except Exception as err:  # noqa: BLE001 - any failure to start is retried
+                self.supervisor.attempt_failed()
+                log.error("device.restart_failed", error=str(err))
+                continue
+            self.device = device
+            self.link = self._new_link()
+            self.link.attach(loop)
+            self.supervisor.restarted()
+            log.info("device.restarted", restarts=self.supervisor.restarts,
+                     seconds=round(time.monotonic() - lost_at, 2),
+                     requeued=self.scheduler.num_waiting)  # fmt: skip
+            return True
+        log.error("device.restart_budget_spent", limit=self.config.device_restart_limit)
+        return False
+
+    def _can_start_over(self, req: Request) -> bool:
+        processor = self._outputs.get(req.request_id)
+        return (
+            processor is not None
+            and processor.stream.delivered_tokens == 0
+            and req.num_device_losses == 0
+        )
+
+    @property
+    def device_state(self) -> DeviceState:
+        return self.supervisor.state
 
     async def overlap_loop(self) -> None:
         inflight: tuple[StepPlan, asyncio.Future] | None = None
@@ -351,10 +436,11 @@ class AsyncEngine:
 
     async def _wait(self, plan: StepPlan, future: asyncio.Future) -> StepResult:
         start = time.monotonic()
-        result = await self.link.result(future, self._spin_budget())
+        result = await self.link.result(future, self._spin_budget(), self._step_timeout(plan))
         resumed = time.monotonic()
         step = result.device_end - result.device_start
         self._step_s += 0.1 * (step - self._step_s)
+        self._step_tokens += 0.1 * (len(plan.input_ids) - self._step_tokens)
         self._phase("wait", plan.step_id, start, resumed)
         # From when the engine could go on (waiting, result in) to when the loop let it.
         # Only GPU-speed steps are paced: beside a CPU step of 10 ms and more, the delay
@@ -363,6 +449,12 @@ class AsyncEngine:
         held_up = resumed - max(start, result.device_end)
         self.pacer.observe(held_up if step < self.SPIN_BELOW_S else 0.0, step)
         return result
+
+    def _step_timeout(self, plan: StepPlan) -> float:
+        """Past this a step is hung: the configured floor, or 20x what this step's tokens
+        took per token lately (a long prefill chunk may run far longer than a decode)."""
+        expected = self._step_s * max(1.0, len(plan.input_ids) / max(1.0, self._step_tokens))
+        return max(self.config.device_step_timeout_s, 20.0 * expected)
 
     def _spin_budget(self) -> float:
         """Poll for results only where steps are short: a CPU step of 50 ms is waited for
@@ -377,7 +469,12 @@ class AsyncEngine:
             await asyncio.sleep(0.001)  # e.g. blocks of an ended request arrive next step
             return
         self._wake.clear()
-        await self._wake.wait()
+        while True:  # idle: still notice a device that dies or hangs before the next request
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.link.WATCHDOG_S)
+                break
+            except TimeoutError:
+                self.link.check()
         self.timeline.mark_idle_engine()
 
     def _launch(self, plan: StepPlan) -> tuple[StepPlan, asyncio.Future]:

@@ -2,7 +2,9 @@
 
 ``launch`` enqueues a plan and returns a future at once; the device's completion fd wakes
 the event loop, which resolves futures in step order. The event loop never blocks on the
-device, and a watchdog notices a device that died mid-step.
+device. A watchdog notices a device that died, stopped answering (its heartbeat went
+quiet: a stopped or wedged process), or ran a step past its deadline; the link is then
+``lost`` for good and the engine replaces the device.
 """
 
 from __future__ import annotations
@@ -18,14 +20,21 @@ StepFuture = asyncio.Future  # resolves to StepResult
 
 
 class DeviceLink:
-    WATCHDOG_S = 2.0  # how often a step that has not finished checks the device is alive
+    WATCHDOG_S = 0.5  # how often a wait with no result checks that the device is well
 
-    def __init__(self, device: Device, on_result: Callable[[StepPlan, StepResult], None]) -> None:
+    def __init__(
+        self,
+        device: Device,
+        on_result: Callable[[StepPlan, StepResult], None],
+        heartbeat_timeout_s: float = 3.0,
+    ) -> None:
         self.device = device
         self._on_result = on_result
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self._futures: dict[int, StepFuture] = {}
         self._plans: dict[int, StepPlan] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.lost: DeviceError | None = None  # why the device can no longer be used
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -39,15 +48,35 @@ class DeviceLink:
                 pass  # already closed
 
     def launch(self, plan: StepPlan) -> StepFuture:
+        if self.lost is not None:
+            raise self.lost
         future = self._future(plan.step_id)
         self._plans[plan.step_id] = plan
-        self.device.launch(plan)
+        try:
+            self.device.launch(plan)
+        except DeviceError as exc:
+            self._lose(exc)
+            raise
         return future
 
-    async def result(self, future: StepFuture, spin_s: float = 0.0) -> StepResult:
+    def check(self) -> None:
+        """Raise DeviceError if the device died or stopped answering (or did so before)."""
+        if self.lost is None:
+            if not self.device.alive():
+                self._lose(DeviceError("the device process died"))
+            elif (age := self.device.heartbeat_age()) > self.heartbeat_timeout_s:
+                self._lose(DeviceError(f"the device stopped responding (no heartbeat for "
+                                       f"{age:.1f} s)"))  # fmt: skip
+        if self.lost is not None:
+            raise self.lost
+
+    async def result(
+        self, future: StepFuture, spin_s: float = 0.0, timeout_s: float = float("inf")
+    ) -> StepResult:
         """The step's result. For up to ``spin_s`` the pipe is polled between turns of the
         event loop instead of sleeping in it: waking a vCPU from idle took ~0.2-1 ms on the
-        machines we measured, as long as a whole GPU-speed step."""
+        machines we measured, as long as a whole GPU-speed step. A step still running after
+        ``timeout_s`` loses the device."""
         if not future.done():
             self._poll()  # a result already in the pipe needs no trip through the event loop
         if future.done():
@@ -60,14 +89,19 @@ class DeviceLink:
                 self._poll()
                 if future.done():
                     return future.result()
+        deadline = time.monotonic() + timeout_s
         while True:
             done, _ = await asyncio.wait((future,), timeout=self.WATCHDOG_S)
             if done:
                 return future.result()
-            # No word from the device for a while: is it alive, and did we miss a wake-up?
-            if not self.device.alive():
-                raise DeviceError("the device stopped while running a step")
+            # No word from the device for a while: did we miss a wake-up, is it well?
             self._poll()
+            if future.done():
+                return future.result()
+            self.check()
+            if time.monotonic() > deadline:
+                self._lose(DeviceError(f"a step ran past its deadline of {timeout_s:.1f} s"))
+                return future.result()  # raises the loss
 
     async def replay(self, plans: list[StepPlan]) -> float:
         """Run recorded plans back to back on the device (the roofline); seconds taken."""
@@ -83,18 +117,27 @@ class DeviceLink:
         self._futures[step_id] = future
         return future
 
+    def _lose(self, exc: DeviceError) -> None:
+        """The device is gone: every waiter learns it, and nothing is read from it again."""
+        self.lost = exc
+        for future in self._futures.values():
+            if not future.done():
+                future.set_exception(exc)
+                # The step after the failing one may never be awaited: without this,
+                # asyncio logs a bare "exception was never retrieved" traceback for it.
+                future.exception()
+        self._futures.clear()
+        self._plans.clear()
+        self.detach()
+
     def _poll(self) -> None:
+        if self.lost is not None:
+            return
         try:
             results = self.device.collect()
-        except Exception as exc:  # the device is gone: every waiter learns it
-            for future in self._futures.values():
-                if not future.done():
-                    future.set_exception(exc)
-                    # The step after the failing one may never be awaited: without this,
-                    # asyncio logs a bare "exception was never retrieved" traceback for it.
-                    future.exception()
-            self._futures.clear()
-            self.detach()
+        except Exception as exc:
+            err = exc if isinstance(exc, DeviceError) else DeviceError(f"device failed: {exc!r}")
+            self._lose(err)
             return
         for result in results:
             plan = self._plans.pop(result.step_id, None)

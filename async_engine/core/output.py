@@ -77,6 +77,7 @@ class RequestStream:
         self._final_only = final_only
         self.budget = budget
         self.pending_bytes = 0  # what waits for the reader
+        self.delivered_tokens = 0  # handed to the reader so far
 
     def put(self, delta: RequestDelta) -> None:
         if self._pending is None:
@@ -102,12 +103,19 @@ class RequestStream:
             self.budget.total -= self.pending_bytes
         self.pending_bytes = 0
 
+    def drop_pending(self) -> None:
+        """Forget output the reader has not taken (it is being computed afresh)."""
+        self.discard()
+        self._pending = None
+        self._ready.clear()
+
     async def get(self) -> RequestDelta:
         await self._ready.wait()
         self._ready.clear()
         delta, self._pending = self._pending, None
         assert delta is not None  # the event is set only together with a pending delta
         self.discard()
+        self.delivered_tokens += len(delta.token_ids)
         return delta
 
 
@@ -125,11 +133,8 @@ class OutputProcessor:
         self.req = req
         self.stream = RequestStream(final_only, None if final_only else budget)
         params = req.params
-        self.detok = None
-        if tokenizer is not None and detokenize:
-            self.detok = IncrementalDetokenizer(
-                tokenizer, req.prompt_ids, params.skip_special_tokens
-            )
+        self._tokenizer = tokenizer if detokenize else None
+        self.detok = self._new_detokenizer()
         self.stops: tuple[str, ...] = tuple(params.stop) if self.detok is not None else ()
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         # Nothing to do before the end: no reader per token, no stop string to look for.
@@ -140,6 +145,22 @@ class OutputProcessor:
         self.text = ""
         self.num_emitted_tokens = 0
         self.num_emitted_chars = 0
+
+    def _new_detokenizer(self) -> IncrementalDetokenizer | None:
+        if self._tokenizer is None:
+            return None
+        req = self.req
+        return IncrementalDetokenizer(
+            self._tokenizer, req.prompt_ids, req.params.skip_special_tokens
+        )
+
+    def start_over(self) -> None:
+        """The request is computed afresh (its device was lost before the reader saw any
+        output): what was built but not taken is dropped, detokenizing starts again."""
+        self.stream.drop_pending()
+        self.detok = self._new_detokenizer()
+        self.text = ""
+        self.num_emitted_tokens = self.num_emitted_chars = 0
 
     def process(self) -> tuple[RequestDelta | None, str | None]:
         """Build the delta for tokens not yet emitted; also returns a stop string that matched."""

@@ -23,6 +23,7 @@ class FinishReason(enum.Enum):
     ERROR = "error"  # the step that carried the request failed
     QUEUE_TIMEOUT = "queue_timeout"  # not admitted within max_queue_ms
     UNREAD = "unread"  # its reader fell behind: unread output outgrew its byte budget
+    DEVICE_LOST = "device_lost"  # the device died or hung after output had been delivered
 
     @property
     def simple(self) -> str:
@@ -40,6 +41,7 @@ _SIMPLE = {
     FinishReason.ERROR: "error",
     FinishReason.QUEUE_TIMEOUT: "abort",
     FinishReason.UNREAD: "abort",
+    FinishReason.DEVICE_LOST: "error",
 }
 
 
@@ -58,7 +60,7 @@ class Request:
         "params", "eos_ids", "stop_ids", "priority", "tenant", "arrival_seq", "status",
         "num_tokens", "token_limit", "num_computed_tokens", "num_inflight", "num_cached_tokens", "block_ids",
         "block_hashes", "row", "num_sent_blocks", "table_reset", "last_launched_step",
-        "num_preemptions", "finish_reason", "stop_reason", "arrival_time", "scheduled_time",
+        "num_preemptions", "num_device_losses", "finish_reason", "stop_reason", "arrival_time", "scheduled_time",
         "first_token_time", "finished_time", "token_times", "abort_time", "released_time",
         "queue_deadline", "time_deadline",
     )  # fmt: skip
@@ -104,6 +106,7 @@ class Request:
         self.table_reset = False  # preempted: the device's table must start over
         self.last_launched_step = -1
         self.num_preemptions = 0
+        self.num_device_losses = 0  # devices lost while it ran (it was computed afresh)
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         now = time.monotonic()

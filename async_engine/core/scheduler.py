@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from async_engine.core.kv_manager import KVCacheManager
@@ -325,6 +326,53 @@ class Scheduler:
         if req.num_tokens >= self.config.max_model_len:
             return FinishReason.CONTEXT_LENGTH
         return None
+
+    def device_lost(
+        self,
+        can_requeue: Callable[[Request], bool],
+        reason: FinishReason = FinishReason.DEVICE_LOST,
+    ) -> list[Request]:
+        """The device and all it held (KV cache, row tables) are gone: every launched step
+        counts as completed, every block returns and rows start over on the next device.
+
+        A request the device had touched goes back to waiting, to be computed afresh with
+        no output, where ``can_requeue`` allows; otherwise it ends with DEVICE_LOST. Waiting
+        requests never admitted are untouched. Returns the requests that ended (``reason``).
+        """
+        self.step_completed(self.next_step_id - 1)
+        ended: list[Request] = []
+        for req in list(self.requests.values()):
+            if req.finished:
+                continue
+            touched = req.status is RequestStatus.RUNNING or req.row is not None
+            if not touched:
+                continue
+            if can_requeue(req):
+                self._start_over(req)
+            else:
+                self.finish(req, reason)
+                ended.append(req)
+        self.waiting = [(r.priority, r.arrival_seq, r) for r in self.requests.values()
+                        if r.status is RequestStatus.WAITING]  # fmt: skip
+        heapq.heapify(self.waiting)
+        self._free_rows, self._num_rows, self._released_rows = [], 0, []
+        self.pool.reset_prefix_cache()  # the cached KV lived on the lost device
+        return ended
+
+    def _start_over(self, req: Request) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        self.kv.release(req)
+        req.status = RequestStatus.WAITING
+        req.row = None
+        req.num_computed_tokens = req.num_inflight = req.num_cached_tokens = 0
+        req.num_sent_blocks = 0
+        req.table_reset = False
+        req.last_launched_step = -1
+        req.output_ids, req.output_logprobs, req.output_top_logprobs = [], [], []
+        req.token_times, req.first_token_time = [], None
+        req.num_tokens = len(req.prompt_ids)
+        req.num_device_losses += 1
 
     # ------------------------------------------------------------ finishing
     def finish(

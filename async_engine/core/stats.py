@@ -32,6 +32,11 @@ class DeviceTimeline:
     def mark_idle_engine(self) -> None:
         self._after_idle = True
 
+    def forget_inflight(self) -> None:
+        """Launched steps that will never complete (their device was lost)."""
+        self._pending_after_idle.clear()
+        self._after_idle = True
+
     def on_launch(self, step_id: int, when: float) -> None:
         self._pending_after_idle[step_id] = self._after_idle
         self._after_idle = False
@@ -100,6 +105,8 @@ class EngineStats:
     prefix_cache_hits: int
     phase_seconds: dict[str, float]  # control-plane time per phase, lifetime totals
     phase_mean_ms: dict[str, float]  # per occurrence (about once per step)
+    device_state: str  # serving | restarting | failed
+    device_restarts: int  # devices replaced after a loss, lifetime
 
     @classmethod
     def collect(cls, engine: AsyncEngine) -> EngineStats:
@@ -121,6 +128,8 @@ class EngineStats:
             prefix_cache_hits=pool.prefix_hits,
             phase_seconds=dict(engine.phase_clock.seconds),
             phase_mean_ms=engine.phase_clock.mean_ms(),
+            device_state=engine.device_state.value,
+            device_restarts=engine.supervisor.restarts,
         )
 
     def as_dict(self) -> dict[str, Any]:

@@ -8,7 +8,9 @@ need a live server next to their own event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,12 +22,14 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from async_engine.core.engine import AsyncEngine
+from async_engine.core.supervisor import DeviceState
 from async_engine.server.auth import BearerTokenInterceptor
 from async_engine.server.codec import Limits
 from async_engine.server.handlers import add_generation_service
 from async_engine.server.logs import ensure_logging
 from async_engine.server.metrics import ServerMetrics
 from async_engine.server.service import GenerationService
+from async_engine.server.stalls import StalledStreams
 from async_engine.server.start import ServerStartError
 from async_engine.v1 import generation_pb2 as pb
 from sampler.params import SamplingParams
@@ -46,6 +50,7 @@ class ServerOptions:
     max_message_bytes: int = 4 << 20  # gRPC rejects larger requests with RESOURCE_EXHAUSTED
     limits: Limits = field(default_factory=Limits)
     metrics_interval_s: float = 0.25
+    stream_idle_timeout_s: float = 60.0  # a stream whose write stalls this long is cancelled
     warmup: bool = True
     http_port: int | None = None  # the OpenAI-compatible HTTP API; None: off, 0: any free port
     http_host: str | None = None  # default: ``host``
@@ -58,12 +63,15 @@ class ServerOptions:
 
 
 class GenerationServer:
+    DRAIN_STALL_S = 1.0  # while draining, a write stalled this long is a reader that left
+
     def __init__(self, engine: AsyncEngine, options: ServerOptions | None = None) -> None:
         ensure_logging()
         self.engine = engine
         self.options = opts = options or ServerOptions()
         self.metrics = ServerMetrics(str(engine.config.model), engine.config.block_size)
-        self.service = GenerationService(engine, self.metrics, opts.limits)
+        self.stalls = StalledStreams(opts.stream_idle_timeout_s)
+        self.service = GenerationService(engine, self.metrics, opts.limits, self.stalls)
         self.health = health_aio.HealthServicer()
         self.port = 0
         self.metrics_port: int | None = None
@@ -72,6 +80,7 @@ class GenerationServer:
         self.http: Any = None  # the OpenAI HTTP server, when http_port is set
         self.http_port: int | None = None
         self._refresher: asyncio.Task | None = None
+        self._stall_watch: asyncio.Task | None = None
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
@@ -131,6 +140,7 @@ class GenerationServer:
             await self.stop(grace_s=0)  # what started is closed again: no half-up server
             raise
         self._refresher = asyncio.create_task(self._refresh_metrics(), name="metrics-refresh")
+        self._stall_watch = asyncio.create_task(self.stalls.watch(), name="stalled-streams")
         if opts.warmup:
             await self._warm_up()
         for name in ("", SERVICE_NAME):
@@ -153,18 +163,21 @@ class GenerationServer:
             pass
 
     async def _refresh_metrics(self) -> None:
-        """Gauges from the engine; also turns health NOT_SERVING if the device died."""
-        reported_dead = False
+        """Gauges from the engine; health follows the device: NOT_SERVING while it restarts
+        (or for good once the engine stopped), SERVING again once a new device serves."""
+        serving = True
         while True:
             try:
                 self.metrics.refresh(self.engine)
             except Exception:  # a metrics bug must never take the server down
                 log.exception("metrics.refresh_failed")
-            if self.engine.fatal_error is not None and not reported_dead:
-                reported_dead = True
-                log.error("engine.stopped", error=repr(self.engine.fatal_error))
+            now_serving = self.engine.device_state is DeviceState.SERVING
+            if now_serving != serving and not self.service.draining:
+                serving = now_serving
+                status = health_pb2.HealthCheckResponse
                 for name in ("", SERVICE_NAME):
-                    await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+                    await self.health.set(name, status.SERVING if serving else status.NOT_SERVING)
+                log.info("server.health", serving=serving, device=self.engine.device_state.value)
             await asyncio.sleep(self.options.metrics_interval_s)
 
     async def drain(self, timeout_s: float | None = None) -> bool:
@@ -173,12 +186,18 @@ class GenerationServer:
         self.service.draining = True
         await self.health.enter_graceful_shutdown()
         log.info("server.draining", in_flight=len(self.service.calls), timeout_s=timeout)
-        try:
-            await asyncio.wait_for(self.service.idle.wait(), timeout)
-            return True
-        except TimeoutError:
-            log.warning("server.drain_timeout", still_running=len(self.service.calls))
-            return False
+        deadline = time.monotonic() + timeout
+        while self.service.calls:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                log.warning("server.drain_timeout", still_running=len(self.service.calls))
+                return False
+            # A stream nobody reads would hold the drain to its end: once its write has
+            # stalled for a moment, it is cancelled instead of waited for.
+            self.stalls.cancel_stalled(self.DRAIN_STALL_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.service.idle.wait(), min(0.1, remaining))
+        return True
 
     async def stop(self, grace_s: float | None = 0.5) -> None:
         """Stop serving; RPCs still open after grace are cancelled (and their requests aborted)."""
@@ -187,9 +206,10 @@ class GenerationServer:
         if self.http is not None:
             await self.http.stop()
             self.http = None
-        if self._refresher is not None:
-            self._refresher.cancel()
-            await asyncio.gather(self._refresher, return_exceptions=True)
+        for task in (self._refresher, self._stall_watch):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()

@@ -109,6 +109,15 @@ class ServerMetrics:
             registry=reg,
         )
         self.steps = Counter("async_engine:steps", "Device steps completed", m, registry=reg)
+        self.device_up = Gauge(
+            "async_engine:device_up",
+            "1 while the device serves; 0 while it restarts after a loss or has failed",
+            m,
+            registry=reg,
+        )
+        self.device_restarts = Counter(
+            "async_engine:device_restarts", "Devices replaced after a loss", m, registry=reg
+        )
         self.cancel_lag = Histogram(
             "async_engine:cancellation_lag_seconds",
             "From abort to the request's KV blocks back in the pool",
@@ -212,12 +221,14 @@ class ServerMetrics:
         self.kv_usage.labels(name).set(stats.kv_usage)
         self.idle.labels(name).set(stats.device_idle_fraction)
         self.fragmentation.labels(name).set(kv_fragmentation(engine, self.block_size))
+        self.device_up.labels(name).set(stats.device_state == "serving")
         for key, counter, value in (
             ("preemptions", self.preemptions, stats.num_preemptions),
             ("wasted", self.wasted, stats.wasted_tokens),
             ("prefix_queries", self.prefix_queries, stats.prefix_cache_queries),
             ("prefix_hits", self.prefix_hits, stats.prefix_cache_hits),
             ("steps", self.steps, stats.steps),
+            ("restarts", self.device_restarts, stats.device_restarts),
         ):
             grown = value - self._last_counts.get(key, 0)
             if grown > 0:

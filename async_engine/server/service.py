@@ -34,6 +34,7 @@ from async_engine.server.errors import (
     unavailable,
 )
 from async_engine.server.metrics import ServerMetrics
+from async_engine.server.stalls import StalledStreams
 from async_engine.v1 import generation_pb2 as pb
 from async_engine.v1 import generation_pb2_grpc as pb_grpc
 
@@ -50,11 +51,16 @@ class _Call:
 
 class GenerationService(pb_grpc.GenerationServicer):
     def __init__(
-        self, engine: AsyncEngine, metrics: ServerMetrics, limits: Limits | None = None
+        self,
+        engine: AsyncEngine,
+        metrics: ServerMetrics,
+        limits: Limits | None = None,
+        stalls: StalledStreams | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.limits = limits or Limits()
+        self.stalls = stalls or StalledStreams(60.0)
         self.draining = False
         self.calls: dict[str, _Call] = {}
         self.idle = asyncio.Event()  # set while no Generate call is in flight
@@ -74,7 +80,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         failure: RpcFailure | None = None
         try:
             async for msg in self._responses(call):
-                yield msg
+                with self.stalls.write():
+                    yield msg
         except RpcFailure as exc:
             failure = exc
         except Exception as exc:  # a bug of ours: report it as INTERNAL, not UNKNOWN
@@ -204,6 +211,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             kv_usage=stats.kv_usage,
             free_blocks=self.engine.pool.num_free,  # evictable prefix-cache blocks count as free
             total_blocks=stats.kv_blocks_total,
+            device_state=stats.device_state,
+            device_restarts=stats.device_restarts,
         )
 
 
@@ -214,6 +223,12 @@ def _raise_if_failed(call: _Call, delta: RequestDelta) -> None:
         raise resource_exhausted(
             "the stream was not read fast enough: its unread output outgrew the server's budget",
             "UNREAD_OUTPUT",
+        )
+    if delta.finish_reason is FinishReason.DEVICE_LOST:
+        raise unavailable(
+            "the device running this request was lost after output had been sent; the "
+            "server is replacing it: retry the request",
+            "DEVICE_LOST",
         )
     if delta.finish_reason is FinishReason.ERROR:
         raise internal("the model step running this request failed", call.request_id)

@@ -253,15 +253,19 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("running", "waiting", "kv_usage", "free_blocks", "total_blocks")
+    __slots__ = ("running", "waiting", "kv_usage", "free_blocks", "total_blocks", "device_state", "device_restarts")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_STATE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_usage: float
     free_blocks: int
     total_blocks: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
+    device_state: str
+    device_restarts: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., device_state: _Optional[str] = ..., device_restarts: _Optional[int] = ...) -> None: ...

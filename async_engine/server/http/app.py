@@ -18,9 +18,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from async_engine.core.supervisor import DeviceState
 from async_engine.server.http.errors import HttpError, bad_request
 from async_engine.server.http.generate import OpenAIGeneration
 from async_engine.server.http.protocol import chat_request, completion_request
+from async_engine.server.stalls import StalledStreams
 
 if TYPE_CHECKING:
     from async_engine.server.app import GenerationServer
@@ -56,7 +58,7 @@ class OpenAIApp:
         return await self._generate(request, chat=True)
 
     async def health(self, request: Request) -> Response:
-        if self.server.service.draining or self.engine.fatal_error is not None:
+        if self.server.service.draining or self.engine.device_state is not DeviceState.SERVING:
             return PlainTextResponse("not serving", status_code=503)
         return PlainTextResponse("ok")
 
@@ -87,8 +89,8 @@ class OpenAIApp:
             return exc.response()
         headers = {"x-request-id": gen.id}
         if sub.stream:
-            return StreamingResponse(_released(gen), media_type="text/event-stream",
-                                     headers=headers)  # fmt: skip
+            return StreamingResponse(_released(gen, self.server.stalls),
+                                     media_type="text/event-stream", headers=headers)  # fmt: skip
         return await self._whole(request, gen, headers)
 
     async def _whole(self, request: Request, gen: OpenAIGeneration, headers: dict) -> Response:
@@ -134,11 +136,13 @@ class OpenAIApp:
         return None
 
 
-async def _released(gen: OpenAIGeneration) -> AsyncIterator[str]:
-    """The stream's events; its requests are released however the stream ends."""
+async def _released(gen: OpenAIGeneration, stalls: StalledStreams) -> AsyncIterator[str]:
+    """The stream's events; its requests are released however the stream ends (a client
+    that stops reading included: its stalled write is cancelled)."""
     try:
         async for event in gen.events():
-            yield event
+            with stalls.write():
+                yield event
     except HttpError as exc:  # after the 200 went out: report in-band, as OpenAI does
         yield f"data: {json.dumps({'error': {'message': exc.message, 'code': exc.code}})}\n\n"
     finally:

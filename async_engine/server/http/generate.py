@@ -64,6 +64,9 @@ class OpenAIGeneration:
 
     async def deltas(self) -> AsyncIterator[tuple[int, RequestDelta]]:
         async for index, delta in merge_streams(self.engine, self.children):
+            if delta.finish_reason is FinishReason.DEVICE_LOST:
+                raise HttpError(503, "the device running this request was lost; retry it",
+                                code="device_lost")  # fmt: skip
             if delta.finish_reason is FinishReason.ERROR:
                 raise HttpError(500, "the model step running this request failed")
             if delta.finish_reason is FinishReason.QUEUE_TIMEOUT:

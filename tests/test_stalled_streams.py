@@ -1,0 +1,60 @@
+"""Stalled writes: a streaming handler whose client stopped reading is cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from async_engine.server.stalls import StalledStreams
+
+
+async def blocked_writer(stalls: StalledStreams, released: list[str]) -> None:
+    try:
+        with stalls.write():
+            await asyncio.Event().wait()  # a write the client never takes
+    finally:
+        released.append("cleanup ran")  # where a handler aborts its requests
+
+
+async def test_a_write_stalled_past_the_timeout_is_cancelled_and_cleans_up():
+    stalls, released = StalledStreams(timeout_s=0.2), []
+    watch = asyncio.create_task(stalls.watch())
+    task = asyncio.create_task(blocked_writer(stalls, released))
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 2.0)
+    watch.cancel()
+    assert released == ["cleanup ran"]
+    assert stalls.cancelled == 1 and stalls.num_writing == 0
+
+
+async def test_writes_that_complete_are_never_cancelled():
+    stalls = StalledStreams(timeout_s=0.05)
+
+    async def steady_writer() -> int:
+        written = 0
+        for _ in range(20):
+            with stalls.write():
+                await asyncio.sleep(0.01)  # each write is taken quickly
+            written += 1
+        return written
+
+    watch = asyncio.create_task(stalls.watch())
+    assert await steady_writer() == 20
+    watch.cancel()
+    assert stalls.cancelled == 0
+
+
+async def test_cancel_stalled_uses_the_threshold_it_is_given():
+    stalls, released = StalledStreams(timeout_s=3600), []
+    task = asyncio.create_task(blocked_writer(stalls, released))
+    await asyncio.sleep(0.05)
+    assert stalls.cancel_stalled(older_than_s=10) == 0  # e.g. a drain's short threshold
+    assert stalls.cancel_stalled(older_than_s=0.01) == 1
+    await asyncio.gather(task, return_exceptions=True)
+    assert released == ["cleanup ran"]
+
+
+def test_a_timeout_of_zero_is_refused():
+    with pytest.raises(ValueError, match="stream idle timeout"):
+        StalledStreams(0)
