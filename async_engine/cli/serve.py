@@ -44,6 +44,12 @@ def add_parser(sub: Any) -> None:
         default=None,
         help=f"require 'authorization: Bearer <token>' (default: ${AUTH_ENV})",
     )
+    p.add_argument(
+        "--auth-token-file",
+        default=None,
+        help="JSON file of tokens, each with its principal, allowed tenants and most urgent "
+        "priority (see async_engine/server/auth.py); request ids are scoped per principal",
+    )
     p.add_argument("--max-message-bytes", type=int, default=4 << 20)
     p.add_argument("--max-prompt-chars", type=int, default=1 << 20)
     p.add_argument(
@@ -74,7 +80,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stream_idle_timeout_s=args.stream_idle_timeout,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
-        auth_token=token,
+        auth_token=None if args.auth_token_file else token,
+        auth_token_file=args.auth_token_file,
         max_message_bytes=args.max_message_bytes,
         limits=Limits(max_prompt_chars=args.max_prompt_chars),
         http_port=args.http_port or None,

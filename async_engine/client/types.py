@@ -129,6 +129,10 @@ class Unauthenticated(EngineError):
     pass
 
 
+class PermissionDenied(EngineError):
+    pass
+
+
 class InternalError(EngineError):
     pass
 
@@ -147,6 +151,7 @@ _BY_CODE: dict[grpc.StatusCode, type[EngineError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.INTERNAL: InternalError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.CANCELLED: Cancelled,

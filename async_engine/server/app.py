@@ -23,7 +23,7 @@ from prometheus_client import start_http_server
 
 from async_engine.core.engine import AsyncEngine
 from async_engine.core.supervisor import DeviceState
-from async_engine.server.auth import BearerTokenInterceptor
+from async_engine.server.auth import BearerTokenInterceptor, Principals
 from async_engine.server.codec import Limits
 from async_engine.server.handlers import add_generation_service
 from async_engine.server.logs import ensure_logging
@@ -46,7 +46,8 @@ class ServerOptions:
     drain_timeout_s: float = 30.0
     tls_cert: str | None = None
     tls_key: str | None = None
-    auth_token: str | None = None
+    auth_token: str | None = None  # one unrestricted principal
+    auth_token_file: str | None = None  # tokens -> principals (see server.auth)
     max_message_bytes: int = 4 << 20  # gRPC rejects larger requests with RESOURCE_EXHAUSTED
     limits: Limits = field(default_factory=Limits)
     metrics_interval_s: float = 0.25
@@ -58,6 +59,10 @@ class ServerOptions:
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")
+        if self.auth_token is not None and self.auth_token_file is not None:
+            raise ValueError(
+                "auth_token and auth_token_file are exclusive: put the token in the file"
+            )
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
@@ -71,7 +76,13 @@ class GenerationServer:
         self.options = opts = options or ServerOptions()
         self.metrics = ServerMetrics(str(engine.config.model), engine.config.block_size)
         self.stalls = StalledStreams(opts.stream_idle_timeout_s)
-        self.service = GenerationService(engine, self.metrics, opts.limits, self.stalls)
+        self.principals: Principals | None = None
+        if opts.auth_token_file is not None:
+            self.principals = Principals.load(opts.auth_token_file)
+        elif opts.auth_token:
+            self.principals = Principals.single(opts.auth_token)
+        self.service = GenerationService(engine, self.metrics, opts.limits, self.stalls,
+                                         self.principals)  # fmt: skip
         self.health = health_aio.HealthServicer()
         self.port = 0
         self.metrics_port: int | None = None
@@ -85,7 +96,7 @@ class GenerationServer:
 
     async def start(self) -> None:
         opts = self.options
-        interceptors = [BearerTokenInterceptor(opts.auth_token)] if opts.auth_token else []
+        interceptors = [BearerTokenInterceptor(self.principals)] if self.principals else []
         server = grpc.aio.server(
             interceptors=interceptors,
             options=[
@@ -152,7 +163,7 @@ class GenerationServer:
             http_port=self.http_port,
             model=str(self.engine.config.model),
             tls=opts.tls_cert is not None,
-            auth=bool(opts.auth_token),
+            auth=self.principals is not None,
         )
 
     async def _warm_up(self) -> None:

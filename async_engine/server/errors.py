@@ -117,6 +117,18 @@ def unavailable(message: str, reason: str = "DRAINING") -> RpcFailure:
     )
 
 
+def permission_denied(message: str, field_name: str) -> RpcFailure:
+    violation = error_details_pb2.BadRequest.FieldViolation(field=field_name, description=message)
+    return RpcFailure(
+        grpc.StatusCode.PERMISSION_DENIED,
+        message,
+        [
+            error_details_pb2.ErrorInfo(reason="NOT_ALLOWED_FOR_TOKEN", domain=DOMAIN),
+            error_details_pb2.BadRequest(field_violations=[violation]),
+        ],
+    )
+
+
 def unauthenticated(reason: str) -> RpcFailure:
     return RpcFailure(
         grpc.StatusCode.UNAUTHENTICATED,

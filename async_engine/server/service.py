@@ -21,6 +21,7 @@ from async_engine.core.fanout import child_ids
 from async_engine.core.inputs import DuplicateRequestError, QueueFullError
 from async_engine.core.output import RequestDelta
 from async_engine.core.request import FinishReason, Request
+from async_engine.server.auth import NotAllowed, Principal, Principals
 from async_engine.server.codec import Limits, Submission, decode_request
 from async_engine.server.codec import accepted as accepted_msg
 from async_engine.server.codec import chunk as chunk_msg
@@ -30,6 +31,7 @@ from async_engine.server.errors import (
     already_exists,
     internal,
     invalid_argument,
+    permission_denied,
     resource_exhausted,
     unavailable,
 )
@@ -45,7 +47,8 @@ log = structlog.get_logger("async_engine.server.service")
 class _Call:
     """A Generate RPC in flight: its engine requests, one per output index."""
 
-    request_id: str
+    request_id: str  # as the client knows it
+    scoped_id: str  # engine-wide: the request id within its principal's scope
     children: list[Request] = field(default_factory=list)
 
 
@@ -56,11 +59,13 @@ class GenerationService(pb_grpc.GenerationServicer):
         metrics: ServerMetrics,
         limits: Limits | None = None,
         stalls: StalledStreams | None = None,
+        principals: Principals | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.limits = limits or Limits()
         self.stalls = stalls or StalledStreams(60.0)
+        self.principals = principals  # None: no auth, ids are global
         self.draining = False
         self.calls: dict[str, _Call] = {}
         self.idle = asyncio.Event()  # set while no Generate call is in flight
@@ -71,7 +76,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            call = await self._admit(request)
+            call = await self._admit(request, self._principal(context))
         except RpcFailure as failure:
             await context.abort_with_status(failure.to_status())
             return
@@ -92,26 +97,39 @@ class GenerationService(pb_grpc.GenerationServicer):
         if failure is not None:
             await context.abort_with_status(failure.to_status())
 
-    async def _admit(self, request: pb.GenerateRequest) -> _Call:
+    def _principal(self, context: grpc.aio.ServicerContext) -> Principal | None:
+        if self.principals is None:
+            return None
+        # The interceptor let only known tokens through.
+        return self.principals.of_metadata(context.invocation_metadata())
+
+    async def _admit(self, request: pb.GenerateRequest, principal: Principal | None) -> _Call:
         if self.draining:
             raise unavailable("server is draining; retry on another replica")
         sub = decode_request(request, self.limits)
+        if principal is not None:
+            try:
+                sub.tenant = principal.tenant_for(sub.tenant)
+                principal.check_priority(sub.priority)
+            except NotAllowed as exc:
+                raise permission_denied(str(exc), exc.field) from None
         try:
             sub.prompt = await self.engine.prepare(sub.prompt, sub.params)
         except ValueError as exc:
             raise invalid_argument(str(exc), prompt_field=sub.prompt_field) from None
         rid = sub.request_id or uuid.uuid4().hex
-        if rid in self.calls:
+        scoped = rid if principal is None else principal.scope(rid)
+        if scoped in self.calls:
             raise already_exists(rid)
-        call = _Call(rid)
+        call = _Call(rid, scoped)
         try:
-            for i, child_id in enumerate(child_ids(rid, sub.n)):
+            for i, child_id in enumerate(child_ids(scoped, sub.n)):
                 call.children.append(self._add(sub, child_id, i))
         except BaseException:
             for req in call.children:
                 self.engine.release(req)
             raise
-        self.calls[rid] = call
+        self.calls[scoped] = call
         self.idle.clear()
         return call
 
@@ -120,8 +138,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             return self.engine.add_request(
                 sub.prompt, sub.params_for(index), child_id, **sub.options()
             )
-        except DuplicateRequestError:
-            raise already_exists(child_id) from None
+        except DuplicateRequestError:  # a child id another call of this scope holds
+            raise already_exists(sub.request_id or child_id) from None
         except QueueFullError as exc:
             raise resource_exhausted(str(exc), "QUEUE_FULL") from None
         except ValueError as exc:
@@ -165,7 +183,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 completion_tokens=len(req.output_ids),
                 cached_tokens=req.num_cached_tokens,
             )
-        self.calls.pop(call.request_id, None)
+        self.calls.pop(call.scoped_id, None)
         if not self.calls:
             self.idle.set()
 
@@ -174,13 +192,15 @@ class GenerationService(pb_grpc.GenerationServicer):
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
         aborted, unknown = [], []
+        principal = self._principal(context)
         for rid in request.request_ids:
-            call = self.calls.get(rid)
+            scoped = rid if principal is None else principal.scope(rid)
+            call = self.calls.get(scoped)
             if call is not None:
                 for req in call.children:
                     self.engine.finish(req.request_id)
                 aborted.append(rid)
-            elif self.engine.finish(rid):  # one child of an n > 1 call (core.fanout)
+            elif self.engine.finish(scoped):  # one child of an n > 1 call (core.fanout)
                 aborted.append(rid)
             else:
                 unknown.append(rid)

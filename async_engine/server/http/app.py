@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from async_engine.core.supervisor import DeviceState
+from async_engine.server.auth import NotAllowed, Principal
 from async_engine.server.http.errors import HttpError, bad_request
 from async_engine.server.http.generate import OpenAIGeneration
 from async_engine.server.http.protocol import chat_request, completion_request
@@ -33,7 +34,7 @@ class OpenAIApp:
         self.server = server
         self.engine = server.engine
         self.max_body_bytes = max_body_bytes
-        self.auth_token = server.options.auth_token
+        self.principals = server.principals
         self.model_names = {"default", str(self.engine.config.model)}
         self.app = Starlette(routes=[
             Route("/v1/models", self.models, methods=["GET"]),
@@ -45,8 +46,10 @@ class OpenAIApp:
 
     # ------------------------------------------------------------ endpoints
     async def models(self, request: Request) -> Response:
-        if (denied := self._check_auth(request)) is not None:
-            return denied
+        try:
+            self._authorize(request)
+        except HttpError as exc:
+            return exc.response()
         card = {"id": str(self.engine.config.model), "object": "model", "created": 0,
                 "owned_by": "async-engine", "max_model_len": self.engine.max_model_len}  # fmt: skip
         return JSONResponse({"object": "list", "data": [card]})
@@ -69,12 +72,16 @@ class OpenAIApp:
     # ---------------------------------------------------------- generation
     async def _generate(self, request: Request, chat: bool) -> Response:
         try:
-            if (denied := self._check_auth(request)) is not None:
-                return denied
+            principal = self._authorize(request)
             if self.server.service.draining:
                 raise HttpError(503, "server is draining; retry on another replica")
             body = await self._json(request)
             sub = chat_request(body) if chat else completion_request(body)
+            if principal is not None:
+                try:
+                    sub.user = principal.tenant_for(sub.user)
+                except NotAllowed as exc:
+                    raise HttpError(403, str(exc), "user", "permission_denied") from None
             if sub.model not in self.model_names:
                 raise HttpError(404, f"model {sub.model!r} is not served here", "model",
                                 "model_not_found")  # fmt: skip
@@ -83,7 +90,8 @@ class OpenAIApp:
             except ValueError as exc:
                 grammar = str(exc).startswith("structured_output")
                 raise bad_request(str(exc), "response_format" if grammar else "prompt") from None
-            gen = OpenAIGeneration(self.engine, sub, chat, request.headers.get("x-request-id"))
+            gen = OpenAIGeneration(self.engine, sub, chat, request.headers.get("x-request-id"),
+                                   principal)  # fmt: skip
             gen.submit()
         except HttpError as exc:
             return exc.response()
@@ -126,14 +134,14 @@ class OpenAIApp:
         except (ValueError, UnicodeDecodeError) as exc:
             raise bad_request(f"the body is not valid JSON: {exc}", None) from None
 
-    def _check_auth(self, request: Request) -> Response | None:
-        if not self.auth_token:
+    def _authorize(self, request: Request) -> Principal | None:
+        """The caller's principal (None without auth); HttpError 401 for a bad token."""
+        if self.principals is None:
             return None
-        if request.headers.get("authorization", "") != f"Bearer {self.auth_token}":
-            return HttpError(
-                401, "missing or wrong bearer token", None, "invalid_api_key"
-            ).response()
-        return None
+        principal = self.principals.lookup(request.headers.get("authorization"))
+        if principal is None:
+            raise HttpError(401, "missing or wrong bearer token", None, "invalid_api_key")
+        return principal
 
 
 async def _released(gen: OpenAIGeneration, stalls: StalledStreams) -> AsyncIterator[str]:

@@ -15,6 +15,7 @@ from async_engine.core.fanout import child_ids
 from async_engine.core.inputs import DuplicateRequestError, QueueFullError
 from async_engine.core.output import RequestDelta
 from async_engine.core.request import FinishReason, Request
+from async_engine.server.auth import Principal
 from async_engine.server.http.errors import HttpError, bad_request
 from async_engine.server.http.protocol import HttpSubmission, finish_reason, usage
 from async_engine.server.service import merge_streams
@@ -33,9 +34,11 @@ class OpenAIGeneration:
     """A completion or chat request: ``chat`` picks the response objects' shapes."""
 
     def __init__(self, engine: AsyncEngine, sub: HttpSubmission, chat: bool,
-                 request_id: str | None) -> None:  # fmt: skip
+                 request_id: str | None, principal: Principal | None = None) -> None:  # fmt: skip
         self.engine, self.sub, self.chat = engine, sub, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + (request_id or uuid.uuid4().hex)
+        # Engine ids are scoped to the caller: another principal's ids are not visible.
+        self.engine_id = self.id if principal is None else principal.scope(self.id)
         self.created = int(time.time())
         self.children: list[Request] = []
         self.prompt_tokens = self.cached_tokens = 0
@@ -49,7 +52,7 @@ class OpenAIGeneration:
         if sub.tools is not None and sub.tools.choice != "none":
             options["tools"] = sub.tools.tools
         try:
-            for i, child in enumerate(child_ids(self.id, sub.params.n)):
+            for i, child in enumerate(child_ids(self.engine_id, sub.params.n)):
                 params = sub.params.for_sample(i)
                 self.children.append(self.engine.add_request(prompt, params, child, **options))
         except BaseException as exc:
