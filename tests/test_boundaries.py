@@ -55,7 +55,13 @@ ALLOWED: dict[str, list[str]] = {
         "starlette",
         "uvicorn",
     ],
-    "async_engine/client": ["async_engine.client", "async_engine.v1", "grpc", "google"],
+    "async_engine/client": [
+        "async_engine.client",
+        "async_engine.v1",
+        "grpc",
+        "grpc_health",
+        "google",
+    ],
     "async_engine/v1": ["async_engine.v1", "grpc", "google"],
     "async_engine/bench": [
         *CORE,

@@ -124,6 +124,15 @@ async def test_a_stopped_device_is_seen_by_its_quiet_heartbeat_and_replaced(engi
             time.sleep(0.05)
 
 
+async def test_an_idle_device_that_is_stopped_is_replaced_within_seconds(engine: AsyncEngine):
+    await drain(engine, engine.add_request(prompt(0), PARAMS))
+    os.kill(engine.device.pid, signal.SIGSTOP)
+    took = await until(lambda: engine.supervisor.restarts == 1, timeout=10)
+    assert took < 5.0
+    tokens, reason = await drain(engine, engine.add_request(prompt(1), PARAMS))
+    assert (tokens, reason) == (oracle(engine, prompt(1), 60), FinishReason.LENGTH)
+
+
 async def test_a_step_past_its_deadline_loses_the_device_and_its_request_ends_on_the_second(
     default_model: Path,
 ):

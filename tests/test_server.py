@@ -332,7 +332,7 @@ async def test_metrics_endpoint_shows_the_named_series_moving(
     await asyncio.gather(
         *(
             collect(client, p, max_tokens=6, tenant="acme", **GREEDY)
-            for p in token_prompts(4, seed=5)
+            for p in token_prompts(8, seed=5)  # a tenant's own label takes 8 requests
         )
     )
     with pytest.raises(DeadlineExceeded):  # a cancellation, for the lag histogram
@@ -353,6 +353,8 @@ async def test_metrics_endpoint_shows_the_named_series_moving(
     assert grew("vllm:prefix_cache_queries_total")
     assert grew("async_engine:cancellation_lag_seconds_count")
     assert grew("async_engine:tenant_e2e_request_latency_seconds_count", tenant="acme")
+    assert grew("async_engine:tenant_time_to_first_token_seconds_count", tenant="acme")
+    assert grew("async_engine:tenant_service_tokens_total", tenant="acme", kind="output")
     model = str(server.engine.config.model)
     for gauge in (
         "vllm:num_requests_running",

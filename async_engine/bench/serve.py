@@ -13,9 +13,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -30,6 +27,7 @@ from async_engine.bench.load import (
     within_slo,
 )
 from async_engine.bench.report import print_table, write_plot
+from async_engine.bench.server_process import spawn_server
 from sampler.params import SamplingParams
 
 WARMUP = LoadSpec(num_requests=2, min_output=2, max_output=4)
@@ -65,6 +63,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the random load")
     p.add_argument("--json", default=None, help="write every figure to this file")
     p.add_argument("--plot", default=None, help="write a PNG of latency vs load")
+    p.add_argument(
+        "--tenants",
+        default=None,
+        help="per-tenant loads, e.g. 'a:burst=64,prompt=300,output=128;"
+        "b:rate=1,duration=30,prompt=50,output=32' (see bench/tenants.py)",
+    )
+    p.add_argument(
+        "--policies",
+        default="fair,fcfs",
+        help="with --tenants: scheduling policies to run, one server each",
+    )
+    p.add_argument("--alone", default=None,
+                   help="with --tenants: tenants to also run alone (their baseline)")  # fmt: skip
 
 
 # ------------------------------------------------------------------ drivers
@@ -301,54 +312,17 @@ def _phase_delta(
     }
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _rates(args: argparse.Namespace) -> list[float]:
     return [float(r) for r in args.rates.split(",") if r.strip()]
 
 
-def spawn_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, int | None]:
-    from async_engine.cli.options import engine_argv, engine_options
-
-    cmd = [
-        sys.executable,
-        "-m",
-        "async_engine.cli.main",
-        "serve",
-        "--port",
-        "0",
-        "--metrics-port",
-        "0",
-        "--http-port",
-        str(_free_port()) if args.backend == "openai" else "0",
-    ]
-    cmd += engine_argv(engine_options(args))
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        with contextlib.suppress(json.JSONDecodeError):
-            record = json.loads(line)
-            if record.get("event") == "server.ready":
-                # Keep reading, or a full stderr pipe would one day block the server.
-                threading.Thread(target=proc.stderr.read, daemon=True).start()
-                if args.backend == "openai":
-                    return (
-                        proc,
-                        f"http://127.0.0.1:{record['http_port']}",
-                        record.get("metrics_port"),
-                    )
-                return proc, f"127.0.0.1:{record['port']}", record.get("metrics_port")
-    raise RuntimeError(f"server exited with {proc.wait()} before it was ready")
-
-
 def cmd_serve_bench(args: argparse.Namespace) -> int:
     import uvloop
+
+    if args.tenants:
+        from async_engine.bench.tenants import cmd_tenants
+
+        return cmd_tenants(args)
 
     spec = LoadSpec(
         args.requests,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from async_engine.bench import offline, prefill, serve
+from async_engine.bench import offline, prefill, serve, soak
 from async_engine.cli.options import add_engine_args
 
 
@@ -25,3 +25,9 @@ def add_parser(sub: Any) -> None:
     add_engine_args(p)
     prefill.add_arguments(p)
     p.set_defaults(func=prefill.cmd_prefill)
+    p = kinds.add_parser(
+        "soak", help="long mixed load with cancels: leaks, ghost requests, RSS growth, errors"
+    )
+    add_engine_args(p)
+    soak.add_arguments(p)
+    p.set_defaults(func=soak.cmd_soak)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import signal
 from typing import Any
@@ -51,7 +52,7 @@ def add_parser(sub: Any) -> None:
         "priority (see async_engine/server/auth.py); request ids are scoped per principal",
     )
     p.add_argument("--max-message-bytes", type=int, default=4 << 20)
-    p.add_argument("--max-prompt-chars", type=int, default=1 << 20)
+    add_limit_args(p)
     p.add_argument(
         "--profile-dir",
         default=None,
@@ -60,6 +61,16 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
+
+
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per input limit (``Limits`` in server/codec.py), checked before any work."""
+    from async_engine.server.codec import Limits
+
+    group = parser.add_argument_group("input limits")
+    for f in dataclasses.fields(Limits):
+        group.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default,
+                           help=f"(default: {f.default})")  # fmt: skip
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -83,7 +94,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         auth_token=None if args.auth_token_file else token,
         auth_token_file=args.auth_token_file,
         max_message_bytes=args.max_message_bytes,
-        limits=Limits(max_prompt_chars=args.max_prompt_chars),
+        limits=Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)}),
         http_port=args.http_port or None,
         http_host=args.http_host,
     )

@@ -250,6 +250,17 @@ class AsyncClient:
         except grpc.RpcError as err:
             raise translate(err) from None
 
+    async def serving(self, timeout: float = 5.0) -> bool:
+        """The server's gRPC health: True while it reports SERVING."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError as err:
+            raise translate(err) from None
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
 
 class Client:
     """Blocking twin of AsyncClient (scripts, notebooks)."""

@@ -69,11 +69,13 @@ class Load:
     total_blocks: int
     device_state: str = "serving"  # serving | restarting | failed
     device_restarts: int = 0
+    tenants: dict[str, tuple[int, int]] = field(default_factory=dict)  # -> (waiting, running)
 
     @classmethod
     def from_pb(cls, m: Any) -> Load:
+        tenants = {t.tenant: (t.waiting, t.running) for t in m.tenants}
         return cls(m.running, m.waiting, m.kv_usage, m.free_blocks, m.total_blocks,
-                   m.device_state, m.device_restarts)  # fmt: skip
+                   m.device_state, m.device_restarts, tenants)  # fmt: skip
 
 
 class EngineError(Exception):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from async_engine.core.queues import POLICIES
 from streams.sim import PRESETS as SIM_PRESETS
 
 
@@ -53,6 +54,11 @@ class EngineConfig:
     max_num_batched_tokens: int = _opt(512, "per-step token budget (chunked prefill)")
     max_model_len: int | None = _opt(None, "context limit (default: the model's)")
     max_waiting: int = _opt(4096, "queue limit; past it, submissions are refused")
+    scheduling_policy: str = _opt(
+        "fair", "admission order: fair (tenants share by weight), priority, or fcfs", POLICIES
+    )
+    tenant_weights: str | None = _opt(None, "fair shares, e.g. 'a=2,b=1' (others: the default)")
+    default_tenant_weight: float = _opt(1.0, "weight of a tenant tenant_weights does not name")
     enable_prefix_cache: bool = _opt(True, "share KV blocks of identical prompt prefixes")
     device_threads: int | None = _opt(None, "CPU device threads (default: every core)")
     max_unread_bytes_per_stream: int = _opt(
@@ -81,6 +87,7 @@ class EngineConfig:
             ("dtype", DTYPES),
             ("device", DEVICES),
             ("load_format", LOAD_FORMATS),
+            ("scheduling_policy", POLICIES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be {'|'.join(allowed)}, got {getattr(self, name)!r}")
@@ -89,6 +96,10 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.resolved_tenant_weights()  # raises on a bad spec
+        weight = self.default_tenant_weight
+        if not isinstance(weight, int | float) or not 0 < weight < 1e6:
+            raise ValueError(f"default_tenant_weight must be a number > 0, got {weight!r}")
         if not isinstance(self.device_restart_limit, int) or self.device_restart_limit < 0:
             raise ValueError(
                 f"device_restart_limit must be an integer >= 0, got {self.device_restart_limit!r}"
@@ -109,6 +120,24 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int | float) and 0 <= value < 1e9):
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+
+    def resolved_tenant_weights(self) -> dict[str, float]:
+        """``tenant_weights`` parsed: 'a=2,b=1' -> {'a': 2.0, 'b': 1.0}."""
+        weights: dict[str, float] = {}
+        for item in (self.tenant_weights or "").split(","):
+            if not item.strip():
+                continue
+            name, eq, value = item.strip().rpartition("=")
+            try:
+                weight = float(value)
+            except ValueError:
+                weight = float("nan")
+            if not eq or not name or not 0 < weight < 1e6:
+                raise ValueError(
+                    f"tenant_weights must look like 'a=2,b=1' with weights > 0, got {item!r}"
+                )
+            weights[name] = weight
+        return weights
 
     def resolved_device(self) -> str:
         return default_device() if self.device == "auto" else self.device

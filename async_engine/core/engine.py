@@ -38,6 +38,7 @@ from async_engine.core.output import (
     request_timings,
 )
 from async_engine.core.pacing import StreamPacer
+from async_engine.core.queues import make_queue
 from async_engine.core.request import FinishReason, Request
 from async_engine.core.scheduler import Scheduler, SchedulerConfig
 from async_engine.core.stats import DeviceTimeline, EngineStats, PhaseClock
@@ -80,10 +81,13 @@ class AsyncEngine:
                                  mc.max_position_embeddings)  # fmt: skip
         num_blocks = config.num_kv_blocks or self._default_num_blocks()
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_cache)
+        queue = make_queue(config.scheduling_policy, config.resolved_tenant_weights(),
+                           config.default_tenant_weight)  # fmt: skip
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             self.max_model_len, config.block_size),
             self.pool,
+            queue,
         )  # fmt: skip
         eos = tuple(mc.eos_token_ids)
         self.inputs = InputBuilder(
@@ -384,6 +388,11 @@ class AsyncEngine:
             and processor.stream.delivered_tokens == 0
             and req.num_device_losses == 0
         )
+
+    @property
+    def num_streams(self) -> int:
+        """Output streams held for readers (each until its reader releases it)."""
+        return len(self._outputs)
 
     @property
     def device_state(self) -> DeviceState:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from async_engine.core.request import FinishReason, Request
+from async_engine.core.stops import stop_automaton
 from async_engine.core.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -136,7 +137,9 @@ class OutputProcessor:
         self._tokenizer = tokenizer if detokenize else None
         self.detok = self._new_detokenizer()
         self.stops: tuple[str, ...] = tuple(params.stop) if self.detok is not None else ()
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.matcher = stop_automaton(self.stops) if self.stops else None
+        self.match_state = 0
+        self.hold = 0  # trailing characters that may still become a stop string
         # Nothing to do before the end: no reader per token, no stop string to look for.
         self.quiet_until_finished = final_only and not self.stops
         # Stop strings are matched as text arrives, so that generation ends on time.
@@ -161,6 +164,7 @@ class OutputProcessor:
         self.detok = self._new_detokenizer()
         self.text = ""
         self.num_emitted_tokens = self.num_emitted_chars = 0
+        self.match_state = self.hold = 0
 
     def process(self) -> tuple[RequestDelta | None, str | None]:
         """Build the delta for tokens not yet emitted; also returns a stop string that matched."""
@@ -194,17 +198,16 @@ class OutputProcessor:
         return delta, matched
 
     def _match_stop(self, before: int) -> str | None:
-        if not self.stops:
+        """Feed the new text to the stop automaton; on the first stop string completed, cut
+        the text there (keeping the stop string if asked) and return it."""
+        if self.matcher is None:
             return None
-        start = max(0, before - self.hold)
-        best: tuple[int, str] | None = None
-        for stop in self.stops:
-            at = self.text.find(stop, start)
-            if at != -1 and (best is None or at < best[0]):
-                best = (at, stop)
-        if best is None:
+        state, end, stop = self.matcher.feed(self.match_state, self.text[before:])
+        self.match_state = state
+        self.hold = self.matcher.depth[state]
+        if stop is None:
             return None
-        at, stop = best
+        at = before + end - len(stop)
         keep = at + len(stop) if self.req.params.include_stop_str_in_output else at
         self.text = self.text[:keep]
         return stop

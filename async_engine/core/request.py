@@ -60,7 +60,7 @@ class Request:
         "params", "eos_ids", "stop_ids", "priority", "tenant", "arrival_seq", "status",
         "num_tokens", "token_limit", "num_computed_tokens", "num_inflight", "num_cached_tokens", "block_ids",
         "block_hashes", "row", "num_sent_blocks", "table_reset", "last_launched_step",
-        "num_preemptions", "num_device_losses", "finish_reason", "stop_reason", "arrival_time", "scheduled_time",
+        "num_preemptions", "num_device_losses", "tenant_state", "finish_reason", "stop_reason", "arrival_time", "scheduled_time",
         "first_token_time", "finished_time", "token_times", "abort_time", "released_time",
         "queue_deadline", "time_deadline",
     )  # fmt: skip
@@ -91,6 +91,7 @@ class Request:
         )
         self.priority = priority
         self.tenant = tenant
+        self.tenant_state: Any = None  # the fair queue's entry for its tenant, while it has one
         self.arrival_seq = arrival_seq
         self.status = RequestStatus.WAITING
         self.num_tokens = len(prompt_ids)

@@ -9,12 +9,12 @@ to the pool only once every launched step that uses them has completed
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from async_engine.core.kv_manager import KVCacheManager
+from async_engine.core.queues import OrderedQueue, WaitQueue
 from async_engine.core.request import FinishReason, Request, RequestStatus
 from blockalloc import BlockPool
 from streams.plan import PLACEHOLDER, NewRow, StepPlan, bools, int32s, int64s
@@ -38,12 +38,14 @@ class PendingFree:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+    def __init__(
+        self, config: SchedulerConfig, pool: BlockPool, queue: WaitQueue | None = None
+    ) -> None:
         self.config = config
         self.pool = pool
         self.kv = KVCacheManager(pool, config.block_size)
         self.requests: dict[str, Request] = {}
-        self.waiting: list[tuple[int, int, Request]] = []  # heap of (priority, arrival, req)
+        self.waiting: WaitQueue = queue if queue is not None else OrderedQueue(by_priority=True)
         self.running: list[Request] = []
         self.next_step_id = 0
         self.completed_step_id = -1
@@ -63,7 +65,7 @@ class Scheduler:
         req.token_limit = self.config.max_model_len
         if max_tokens is not None:
             req.token_limit = min(req.token_limit, len(req.prompt_ids) + max_tokens)
-        heapq.heappush(self.waiting, (req.priority, req.arrival_seq, req))
+        self.waiting.push(req)
 
     @property
     def num_waiting(self) -> int:
@@ -73,8 +75,19 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def tenant_depths(self, limit: int = 64) -> list[tuple[str, int, int]]:
+        """(tenant, waiting, running) of tenants with work, most waiting first."""
+        depths: dict[str, list[int]] = {}
+        for req in self.requests.values():
+            if req.status is RequestStatus.WAITING:
+                depths.setdefault(req.tenant, [0, 0])[0] += 1
+            elif req.status is RequestStatus.RUNNING:
+                depths.setdefault(req.tenant, [0, 0])[1] += 1
+        ranked = sorted(depths.items(), key=lambda kv: (-kv[1][0], -kv[1][1], kv[0]))
+        return [(name, w, r) for name, (w, r) in ranked[:limit]]
+
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or len(self.waiting))
 
     # --------------------------------------------------------------- planning
     def schedule(self) -> StepPlan | None:
@@ -109,10 +122,11 @@ class Scheduler:
 
         # Admit nothing in a step that had to preempt: the pool is short already.
         preempted = self.num_preemptions != preemptions_before
-        while self.waiting and not preempted and budget > 0:
+        waiting = self.waiting
+        while len(waiting) and not preempted and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            req = self.waiting[0][2]
+            req = waiting.peek()
             if req.num_computed_tokens == 0 and not req.block_ids:
                 self.kv.lookup_prefix(req)
             n = self._num_new_tokens(req, budget)
@@ -120,7 +134,7 @@ class Scheduler:
                 self.kv.release(req)  # give back prefix-cache hits; retry next step
                 req.num_computed_tokens = 0
                 break
-            heapq.heappop(self.waiting)
+            waiting.pop()
             req.status = RequestStatus.RUNNING
             if req.scheduled_time is None:
                 req.scheduled_time = time.monotonic()
@@ -169,6 +183,7 @@ class Scheduler:
         # Bound methods held in locals: this loop runs for every request on every step.
         add_row, add_start, add_len = rows.append, starts.append, query_lens.append
         add_sample, add_input, add_request = sample.append, inputs.append, requests.append
+        charge = self.waiting.charges  # the fair queue counts each tenant's service
         for req, n in chosen:
             start = req.num_computed_tokens
             known = req.num_tokens
@@ -178,6 +193,9 @@ class Scheduler:
             add_len(n)
             add_request(req)
             end = start + n
+            if charge and start < len(req.prompt_ids):
+                tenant = req.tenant_state
+                tenant.counter += (min(end, len(req.prompt_ids)) - start) * tenant.prompt_cost
             if start >= known:  # steady decode: the token was sampled by a step in flight
                 if n == 1:
                     add_input(PLACEHOLDER)
@@ -227,12 +245,14 @@ class Scheduler:
 
     # ------------------------------------------------------------ preemption
     def _pick_victim(self, exclude: list[Request]) -> Request:
-        # Lowest priority first (largest number), newest among equals: recompute is cheapest there.
+        if self.waiting.charges:  # fair: the tenant furthest over its share, chosen or not
+            return self.waiting.victim(self.running)
         candidates = [r for r in self.running if r not in exclude] or self.running
-        return max(candidates, key=lambda r: (r.priority, r.arrival_seq))
+        return self.waiting.victim(candidates)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self.waiting.stopped_running(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -240,7 +260,7 @@ class Scheduler:
         self._free_blocks_after_launch(req)
         req.table_reset = True  # it keeps its row; the device's table starts over
         req.num_sent_blocks = 0
-        heapq.heappush(self.waiting, (req.priority, req.arrival_seq, req))
+        self.waiting.push(req)
 
     # ---------------------------------------------------------- step results
     def step_completed(self, step_id: int) -> None:
@@ -274,6 +294,7 @@ class Scheduler:
         bs = self.config.block_size
         finished = RequestStatus.FINISHED
         add_touched = touched.append
+        charge = self.waiting.charges
         row = 0
         for req, sampled in zip(plan.requests, plan.sample.tolist(), strict=True):
             if not sampled:
@@ -286,6 +307,8 @@ class Scheduler:
                 row += 1
                 continue
             req.num_inflight -= 1
+            if charge:
+                req.tenant_state.counter += req.tenant_state.output_cost
             req.output_ids.append(token)
             req.num_tokens += 1
             req.token_times.append(now)
@@ -352,16 +375,15 @@ class Scheduler:
             else:
                 self.finish(req, reason)
                 ended.append(req)
-        self.waiting = [(r.priority, r.arrival_seq, r) for r in self.requests.values()
-                        if r.status is RequestStatus.WAITING]  # fmt: skip
-        heapq.heapify(self.waiting)
         self._free_rows, self._num_rows, self._released_rows = [], 0, []
         self.pool.reset_prefix_cache()  # the cached KV lived on the lost device
         return ended
 
     def _start_over(self, req: Request) -> None:
-        if req.status is RequestStatus.RUNNING:
+        was_running = req.status is RequestStatus.RUNNING
+        if was_running:
             self.running.remove(req)
+            self.waiting.stopped_running(req)
         self.kv.release(req)
         req.status = RequestStatus.WAITING
         req.row = None
@@ -373,6 +395,8 @@ class Scheduler:
         req.token_times, req.first_token_time = [], None
         req.num_tokens = len(req.prompt_ids)
         req.num_device_losses += 1
+        if was_running:
+            self.waiting.push(req)
 
     # ------------------------------------------------------------ finishing
     def finish(
@@ -383,9 +407,9 @@ class Scheduler:
             return
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+            self.waiting.stopped_running(req)
         else:
-            self.waiting = [e for e in self.waiting if e[2] is not req]
-            heapq.heapify(self.waiting)
+            self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason

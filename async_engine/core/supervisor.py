@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -35,6 +36,13 @@ class Supervisor:
         self.last_error: str | None = None
         self._attempts: deque[float] = deque()
         self._failed_in_a_row = 0
+        # Called with each new state, on the engine's loop (a server's health follows it).
+        self.listeners: list[Callable[[DeviceState], None]] = []
+
+    def _enter(self, state: DeviceState) -> None:
+        self.state = state
+        for listener in self.listeners:
+            listener(state)
 
     def next_attempt_delay(self, now: float | None = None) -> float | None:
         """Seconds to wait before the next attempt, or None: the budget is spent."""
@@ -51,8 +59,8 @@ class Supervisor:
         return delay
 
     def lost(self, error: str) -> None:
-        self.state = DeviceState.RESTARTING
         self.last_error = error
+        self._enter(DeviceState.RESTARTING)
 
     def attempt_failed(self) -> None:
         self._failed_in_a_row += 1
@@ -60,7 +68,7 @@ class Supervisor:
     def restarted(self) -> None:
         self.restarts += 1
         self._failed_in_a_row = 0
-        self.state = DeviceState.SERVING
+        self._enter(DeviceState.SERVING)
 
     def gave_up(self) -> None:
-        self.state = DeviceState.FAILED
+        self._enter(DeviceState.FAILED)

@@ -81,6 +81,9 @@ class GenerationServer:
             self.principals = Principals.load(opts.auth_token_file)
         elif opts.auth_token:
             self.principals = Principals.single(opts.auth_token)
+        if self.principals is not None:
+            for tenant in self.principals.tenants():  # a token file's tenants are known
+                self.metrics.tenants.admit(tenant)
         self.service = GenerationService(engine, self.metrics, opts.limits, self.stalls,
                                          self.principals)  # fmt: skip
         self.health = health_aio.HealthServicer()
@@ -92,6 +95,7 @@ class GenerationServer:
         self.http_port: int | None = None
         self._refresher: asyncio.Task | None = None
         self._stall_watch: asyncio.Task | None = None
+        self._health_updates: set[asyncio.Task] = set()
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
@@ -156,6 +160,7 @@ class GenerationServer:
             await self._warm_up()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.engine.supervisor.listeners.append(self._on_device_state)
         log.info(
             "server.ready",
             port=self.port,
@@ -174,22 +179,28 @@ class GenerationServer:
             pass
 
     async def _refresh_metrics(self) -> None:
-        """Gauges from the engine; health follows the device: NOT_SERVING while it restarts
-        (or for good once the engine stopped), SERVING again once a new device serves."""
-        serving = True
         while True:
             try:
                 self.metrics.refresh(self.engine)
             except Exception:  # a metrics bug must never take the server down
                 log.exception("metrics.refresh_failed")
-            now_serving = self.engine.device_state is DeviceState.SERVING
-            if now_serving != serving and not self.service.draining:
-                serving = now_serving
-                status = health_pb2.HealthCheckResponse
-                for name in ("", SERVICE_NAME):
-                    await self.health.set(name, status.SERVING if serving else status.NOT_SERVING)
-                log.info("server.health", serving=serving, device=self.engine.device_state.value)
             await asyncio.sleep(self.options.metrics_interval_s)
+
+    def _on_device_state(self, state: DeviceState) -> None:
+        """Health follows the device at once: NOT_SERVING while it restarts (or for good),
+        SERVING again when a new one serves (unless the server is draining)."""
+        task = asyncio.get_running_loop().create_task(self._set_health(state))
+        self._health_updates.add(task)
+        task.add_done_callback(self._health_updates.discard)
+
+    async def _set_health(self, state: DeviceState) -> None:
+        serving = state is DeviceState.SERVING
+        if serving and self.service.draining:
+            return
+        status = health_pb2.HealthCheckResponse
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status.SERVING if serving else status.NOT_SERVING)
+        log.info("server.health", serving=serving, device=state.value)
 
     async def drain(self, timeout_s: float | None = None) -> bool:
         """Refuse new requests, report NOT_SERVING, wait for in-flight ones. True if all ended."""
@@ -212,6 +223,9 @@ class GenerationServer:
 
     async def stop(self, grace_s: float | None = 0.5) -> None:
         """Stop serving; RPCs still open after grace are cancelled (and their requests aborted)."""
+        listeners = self.engine.supervisor.listeners
+        if self._on_device_state in listeners:
+            listeners.remove(self._on_device_state)
         if self._server is not None:
             await self._server.stop(grace_s)
         if self.http is not None:

@@ -103,6 +103,10 @@ class Principals:
             by_token[token] = principal
         return cls(by_token)
 
+    def tenants(self) -> list[str]:
+        """Every tenant a token names (they get metric labels from the start)."""
+        return [t for _, p in self._entries for t in p.tenants or ()]
+
     def lookup(self, authorization: str | bytes | None) -> Principal | None:
         """The principal of an ``authorization`` header value, or None."""
         if authorization is None:

@@ -35,6 +35,12 @@ class Limits:
     max_messages: int = 1024
     max_structured_chars: int = 1 << 18  # a schema, regex or grammar
 
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"limit {name} must be a positive integer, got {value!r}")
+
 
 @dataclass(slots=True)
 class Submission:

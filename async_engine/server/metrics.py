@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from async_engine.core.request import Request
+from async_engine.server.tenant_labels import TenantLabels
 
 if TYPE_CHECKING:
     from async_engine.core.engine import AsyncEngine
@@ -26,7 +27,7 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 # Cancellation reaches the KV cache within a step or two: milliseconds, not seconds.
 LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
-MAX_TENANTS = 64  # label cardinality guard: later tenants share the label "other"
+MAX_TENANTS = 64  # label cardinality guard: the rest share the label "other"
 
 
 class ServerMetrics:
@@ -109,6 +110,18 @@ class ServerMetrics:
             registry=reg,
         )
         self.steps = Counter("async_engine:steps", "Device steps completed", m, registry=reg)
+        self.engine_requests = Gauge(
+            "async_engine:engine_requests",
+            "Requests the engine holds: queued, running, or ending (0 when idle, or a leak)",
+            m,
+            registry=reg,
+        )
+        self.engine_streams = Gauge(
+            "async_engine:engine_streams",
+            "Output streams the engine keeps for readers (0 when idle, or a leak)",
+            m,
+            registry=reg,
+        )
         self.device_up = Gauge(
             "async_engine:device_up",
             "1 while the device serves; 0 while it restarts after a loss or has failed",
@@ -144,6 +157,26 @@ class ServerMetrics:
             buckets=REQUEST_BUCKETS,
             registry=reg,
         )
+        self.tenant_ttft = Histogram(
+            "async_engine:tenant_time_to_first_token_seconds",
+            "Time to first token by tenant",
+            m + ["tenant"],
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.tenant_itl = Histogram(
+            "async_engine:tenant_inter_token_latency_seconds",
+            "Inter-token latency by tenant",
+            m + ["tenant"],
+            buckets=ITL_BUCKETS,
+            registry=reg,
+        )
+        self.tenant_service = Counter(
+            "async_engine:tenant_service_tokens",
+            "Tokens served by tenant: prompt tokens computed, output tokens generated",
+            m + ["tenant", "kind"],
+            registry=reg,
+        )
         # Create every model-labelled series now, so that counters read 0 before their first event.
         for metric in (
             self.running,
@@ -164,7 +197,7 @@ class ServerMetrics:
             self.fragmentation,
         ):
             metric.labels(model_name)
-        self._tenants: set[str] = set()
+        self.tenants = TenantLabels(MAX_TENANTS)
         self._last_counts: dict[str, int] = {}
         self._last_phase: dict[str, float] = {}
         self._awaiting_release: list[Request] = []
@@ -184,19 +217,23 @@ class ServerMetrics:
         times = req.token_times
         for earlier, later in zip(times, times[1:], strict=False):
             self.itl.labels(name).observe(later - earlier)
+        tenant = self.tenants.label(req.tenant)
+        if req.first_token_time is not None:
+            self.tenant_ttft.labels(name, tenant).observe(req.first_token_time - req.arrival_time)
+        tenant_itl = self.tenant_itl.labels(name, tenant)
+        for earlier, later in zip(times, times[1:], strict=False):
+            tenant_itl.observe(later - earlier)
+        self.tenant_service.labels(name, tenant, "prompt").inc(
+            max(0, req.num_prompt_tokens - req.num_cached_tokens)
+        )
+        self.tenant_service.labels(name, tenant, "output").inc(len(req.output_ids))
         if req.finished_time is not None:
             e2e = req.finished_time - req.arrival_time
             self.e2e.labels(name).observe(e2e)
-            self.tenant_e2e.labels(name, self._tenant_label(req.tenant)).observe(e2e)
+            self.tenant_e2e.labels(name, tenant).observe(e2e)
         if req.abort_time is not None:
             self._awaiting_release.append(req)
             self._observe_released()
-
-    def _tenant_label(self, tenant: str) -> str:
-        if tenant in self._tenants or len(self._tenants) < MAX_TENANTS:
-            self._tenants.add(tenant)
-            return tenant
-        return "other"
 
     def _observe_released(self) -> None:
         # Blocks are freed after the step that last wrote them completes, so the lag of an
@@ -222,6 +259,8 @@ class ServerMetrics:
         self.idle.labels(name).set(stats.device_idle_fraction)
         self.fragmentation.labels(name).set(kv_fragmentation(engine, self.block_size))
         self.device_up.labels(name).set(stats.device_state == "serving")
+        self.engine_requests.labels(name).set(len(engine.scheduler.requests))
+        self.engine_streams.labels(name).set(engine.num_streams)
         for key, counter, value in (
             ("preemptions", self.preemptions, stats.num_preemptions),
             ("wasted", self.wasted, stats.wasted_tokens),

@@ -41,6 +41,7 @@ from async_engine.v1 import generation_pb2 as pb
 from async_engine.v1 import generation_pb2_grpc as pb_grpc
 
 log = structlog.get_logger("async_engine.server.service")
+TENANT_METADATA = "x-tenant"
 
 
 @dataclass(slots=True)
@@ -76,11 +77,11 @@ class GenerationService(pb_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            call = await self._admit(request, self._principal(context))
+            call = await self._admit(request, self._principal(context), _tenant_header(context))
         except RpcFailure as failure:
             await context.abort_with_status(failure.to_status())
             return
-        bound = log.bind(request_id=call.request_id, tenant=request.tenant)
+        bound = log.bind(request_id=call.request_id, tenant=call.children[0].tenant)
         bound.debug("request.accepted", n=len(call.children))
         failure: RpcFailure | None = None
         try:
@@ -103,10 +104,17 @@ class GenerationService(pb_grpc.GenerationServicer):
         # The interceptor let only known tokens through.
         return self.principals.of_metadata(context.invocation_metadata())
 
-    async def _admit(self, request: pb.GenerateRequest, principal: Principal | None) -> _Call:
+    async def _admit(
+        self, request: pb.GenerateRequest, principal: Principal | None, tenant_header: str = ""
+    ) -> _Call:
         if self.draining:
             raise unavailable("server is draining; retry on another replica")
         sub = decode_request(request, self.limits)
+        if not sub.tenant and tenant_header:
+            if len(tenant_header) > self.limits.max_tenant_chars:
+                raise invalid_argument(f"x-tenant is longer than {self.limits.max_tenant_chars} "
+                                       "characters", "x-tenant")  # fmt: skip
+            sub.tenant = tenant_header
         if principal is not None:
             try:
                 sub.tenant = principal.tenant_for(sub.tenant)
@@ -233,7 +241,19 @@ class GenerationService(pb_grpc.GenerationServicer):
             total_blocks=stats.kv_blocks_total,
             device_state=stats.device_state,
             device_restarts=stats.device_restarts,
+            tenants=[
+                pb.TenantLoad(tenant=t, waiting=w, running=r)
+                for t, w, r in self.engine.scheduler.tenant_depths()
+            ],  # fmt: skip
         )
+
+
+def _tenant_header(context: grpc.aio.ServicerContext) -> str:
+    """The ``x-tenant`` metadata entry: the tenant of a request whose field is empty."""
+    for key, value in context.invocation_metadata() or ():
+        if key == TENANT_METADATA:
+            return value if isinstance(value, str) else value.decode(errors="replace")
+    return ""
 
 
 def _raise_if_failed(call: _Call, delta: RequestDelta) -> None:

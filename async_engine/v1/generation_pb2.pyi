@@ -253,7 +253,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("running", "waiting", "kv_usage", "free_blocks", "total_blocks", "device_state", "device_restarts")
+    __slots__ = ("running", "waiting", "kv_usage", "free_blocks", "total_blocks", "device_state", "device_restarts", "tenants")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +261,7 @@ class Load(_message.Message):
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_STATE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_usage: float
@@ -268,4 +269,15 @@ class Load(_message.Message):
     total_blocks: int
     device_state: str
     device_restarts: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., device_state: _Optional[str] = ..., device_restarts: _Optional[int] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantLoad]
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., device_state: _Optional[str] = ..., device_restarts: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantLoad, _Mapping]]] = ...) -> None: ...
+
+class TenantLoad(_message.Message):
+    __slots__ = ("tenant", "waiting", "running")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    waiting: int
+    running: int
+    def __init__(self, tenant: _Optional[str] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ...) -> None: ...

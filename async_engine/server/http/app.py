@@ -76,7 +76,12 @@ class OpenAIApp:
             if self.server.service.draining:
                 raise HttpError(503, "server is draining; retry on another replica")
             body = await self._json(request)
-            sub = chat_request(body) if chat else completion_request(body)
+            limits = self.server.options.limits
+            sub = chat_request(body, limits) if chat else completion_request(body, limits)
+            sub.user = sub.user or request.headers.get("x-tenant", "")
+            if len(sub.user) > limits.max_tenant_chars:
+                raise bad_request(f"user (the tenant) is longer than {limits.max_tenant_chars} "
+                                  "characters", "user")  # fmt: skip
             if principal is not None:
                 try:
                     sub.user = principal.tenant_for(sub.user)

@@ -11,9 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from async_engine.core.request import FinishReason
+from async_engine.server.codec import Limits
 from async_engine.server.http.errors import bad_request
 from async_engine.server.http.tools import ToolSpec, tool_spec
 from sampler.params import SamplingParams
+
+DEFAULT_LIMITS = Limits()
 
 # OpenAI field -> SamplingParams field, for the numbers both APIs share.
 _SAMPLING = {
@@ -29,9 +32,6 @@ _SAMPLING = {
     "min_tokens": "min_tokens",
     "ignore_eos": "ignore_eos",
 }
-MAX_N = 16
-MAX_STOP_CHARS = 4096  # stop matching runs on the event loop for every token
-MAX_MESSAGES = 1024
 
 
 @dataclass(slots=True)
@@ -57,17 +57,23 @@ def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any 
     return value
 
 
-def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+def _stop(body: dict[str, Any], limits: Limits) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
         return ()
-    if isinstance(stop, str):
-        return (stop,)
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
-        if sum(len(s) for s in stop) > MAX_STOP_CHARS:
-            raise bad_request(f"stop strings are longer than {MAX_STOP_CHARS} characters", "stop")
-        return tuple(stop)
-    raise bad_request("stop must be a string or a list of at most 16 strings", "stop")
+    stops = [stop] if isinstance(stop, str) else stop
+    most = limits.max_stop_strings
+    if (
+        not isinstance(stops, list)
+        or not all(isinstance(s, str) for s in stops)
+        or (len(stops) > most)
+    ):
+        raise bad_request(f"stop must be a string or a list of at most {most} strings", "stop")
+    if sum(len(s) for s in stops) > limits.max_stop_chars:
+        raise bad_request(
+            f"stop strings are longer than {limits.max_stop_chars} characters", "stop"
+        )
+    return tuple(stops)
 
 
 def structured_output(body: dict[str, Any]) -> tuple[str, str] | None:
@@ -102,15 +108,15 @@ def structured_output(body: dict[str, Any]) -> tuple[str, str] | None:
 
 
 def _params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
-            structured: tuple[str, str] | None = None) -> SamplingParams:  # fmt: skip
-    values: dict[str, Any] = {"max_tokens": max_tokens, "stop": _stop(body), "logprobs": logprobs,
-                              "structured_output": structured}  # fmt: skip
+            structured: tuple[str, str] | None, limits: Limits) -> SamplingParams:  # fmt: skip
+    values: dict[str, Any] = {"max_tokens": max_tokens, "stop": _stop(body, limits),
+                              "logprobs": logprobs, "structured_output": structured}  # fmt: skip
     for name, field in _SAMPLING.items():
         if body.get(name) is not None:
             values[field] = body[name]
     n = values.get("n", 1)
-    if isinstance(n, int) and not isinstance(n, bool) and n > MAX_N:
-        raise bad_request(f"n must be at most {MAX_N}, got {n}", "n")
+    if isinstance(n, int) and not isinstance(n, bool) and n > limits.max_n:
+        raise bad_request(f"n must be at most {limits.max_n}, got {n}", "n")
     try:
         return SamplingParams(**values)
     except (TypeError, ValueError) as exc:
@@ -130,7 +136,7 @@ def _common(body: dict[str, Any]) -> tuple[str, bool, bool, str]:
     return model, stream, include_usage, user
 
 
-def completion_request(body: dict[str, Any]) -> HttpSubmission:
+def completion_request(body: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> HttpSubmission:
     model, stream, include_usage, user = _common(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -143,17 +149,17 @@ def completion_request(body: dict[str, Any]) -> HttpSubmission:
         raise bad_request("prompt must be a non-empty string or list of token ids", "prompt")
     max_tokens = _get(body, "max_tokens", (int,), 16)
     logprobs = _get(body, "logprobs", (int,), None)
-    params = _params(body, max_tokens, logprobs, structured_output(body))
+    params = _params(body, max_tokens, logprobs, structured_output(body), limits)
     return HttpSubmission(model, prompt, None, params, stream, include_usage, user, None)
 
 
-def chat_request(body: dict[str, Any]) -> HttpSubmission:
+def chat_request(body: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> HttpSubmission:
     model, stream, include_usage, user = _common(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")
-    if len(messages) > MAX_MESSAGES:
-        raise bad_request(f"messages has more than {MAX_MESSAGES} entries", "messages")
+    if len(messages) > limits.max_messages:
+        raise bad_request(f"messages has more than {limits.max_messages} entries", "messages")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad_request(f"messages[{i}] must be an object with a role", "messages")
@@ -168,7 +174,7 @@ def chat_request(body: dict[str, Any]) -> HttpSubmission:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     tools = tool_spec(body)
     structured = tools.schema_output() if tools is not None else structured_output(body)
-    params = _params(body, max_tokens, (top or 0) if wants else None, structured)
+    params = _params(body, max_tokens, (top or 0) if wants else None, structured, limits)
     sub = HttpSubmission(model, None, messages, params, stream, include_usage, user, top)
     sub.tools = tools
     return sub
