@@ -9,8 +9,9 @@ The noisy neighbour:
 
 Service is what VTC counts: prompt tokens at price 1 and output tokens at price 2, over
 the tenant's weight, as seen by the client (a request's prompt counts once its first
-token arrived). A tenant is backlogged while one of its requests is sent and waits for
-its first token. The difference is sampled every 0.25 s while two or more are backlogged.
+token arrived). A tenant is backlogged while the server's queue holds one of its
+requests (``GetLoad``'s per-tenant waiting count). The difference is sampled every
+0.25 s while two or more are backlogged.
 """
 
 from __future__ import annotations
@@ -87,9 +88,10 @@ class Sent:
 
 
 def schedule(loads: list[TenantLoad], vocab: int, seed: int) -> list[Sent]:
-    rng = random.Random(seed)
+    """Each tenant's requests from its own seed: a tenant run alone sends the same ones."""
     out = []
     for load in loads:
+        rng = random.Random(f"{seed}:{load.name}")
         times = [load.start] * load.burst
         t = load.start
         while load.rate > 0 and (t := t + rng.expovariate(load.rate)) < load.start + load.duration:
@@ -131,23 +133,20 @@ async def drive(client: Any, sent: list[Sent], weights: dict[str, float]) -> dic
         output = sum(s.record.tokens for s in sent if s.tenant == name)
         return (prompt + 2 * output) / weights.get(name, 1.0)
 
-    def backlogged(name: str) -> bool:
-        return any(s.tenant == name and s.record.sent and s.record.first_token is None
-                   and s.record.error is None for s in sent)  # fmt: skip
-
     samples: list[dict[str, Any]] = []
     tasks = [asyncio.create_task(one(s)) for s in sent]
     while not all(t.done() for t in tasks):
         await asyncio.sleep(SAMPLE_S)
+        waiting = (await client.load()).tenants
         samples.append({"t": time.perf_counter() - start,
                         "service": {n: service(n) for n in tenants},
-                        "backlogged": [n for n in tenants if backlogged(n)]})  # fmt: skip
+                        "backlogged": [n for n in tenants if waiting.get(n, (0, 0))[0]]})  # fmt: skip
     await asyncio.gather(*tasks)
     return {"duration_s": time.perf_counter() - start, "samples": samples,
             "service": {n: service(n) for n in tenants}}  # fmt: skip
 
 
-def report(sent: list[Sent], run: dict[str, Any]) -> dict[str, Any]:
+def report(sent: list[Sent], run: dict[str, Any], weights: dict[str, float]) -> dict[str, Any]:
     tenants = sorted({s.tenant for s in sent})
     out: dict[str, Any] = {"duration_s": run["duration_s"], "tenants": {}}
     total = 0
@@ -172,13 +171,15 @@ def report(sent: list[Sent], run: dict[str, Any]) -> dict[str, Any]:
     out["service_diff"] = {"max": max(diffs, default=0.0),
                            "mean": sum(diffs) / len(diffs) if diffs else 0.0,
                            "samples": len(diffs)}  # fmt: skip
-    # Service received while both of the first two tenants were backlogged (weights' test).
+    # Raw service (not divided by weight) received while both of the first two tenants
+    # were backlogged: VTC makes its ratio the weights' ratio.
     if len(tenants) >= 2:
         a, b = tenants[:2]
         both = [s for s in run["samples"] if a in s["backlogged"] and b in s["backlogged"]]
         if len(both) >= 2:
             first, last = both[0]["service"], both[-1]["service"]
-            got_a, got_b = last[a] - first[a], last[b] - first[b]
+            got_a = (last[a] - first[a]) * weights.get(a, 1.0)
+            got_b = (last[b] - first[b]) * weights.get(b, 1.0)
             ratios.append(got_a / got_b if got_b else float("inf"))
     out["weighted_service_ratio"] = ratios[0] if ratios else None
     return out
@@ -200,7 +201,7 @@ def print_report(policy: str, out: dict[str, Any], weights: dict[str, float]) ->
     print(f"service difference among backlogged tenants: max {d['max']:.0f}, mean {d['mean']:.0f} "
           f"({d['samples']} samples)")  # fmt: skip
     if out["weighted_service_ratio"] is not None:
-        print(f"service ratio of the first two tenants while both backlogged: "
+        print(f"raw service ratio of the first two tenants while both backlogged: "
               f"{out['weighted_service_ratio']:.2f} (weights {weights or 'equal'})")  # fmt: skip
 
 
@@ -245,7 +246,7 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         proc, address, _ = spawn_server(server_args)
         try:
             sent = schedule(run_loads, args.vocab_size, args.workload_seed)
-            out = report(sent, uvloop.run(run_policy(address, sent, weights)))
+            out = report(sent, uvloop.run(run_policy(address, sent, weights)), weights)
         finally:
             proc.terminate()
             proc.wait(timeout=60)

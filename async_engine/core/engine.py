@@ -18,6 +18,7 @@ import functools
 import gc
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
@@ -115,6 +116,9 @@ class AsyncEngine:
         self._closed = False
         self.fatal_error: BaseException | None = None
         self._grammars: Any = None  # streams.grammar.Grammars, on the first structured request
+        # One thread for tokenizing and grammar compiles: a flood of heavy submissions
+        # queues behind itself instead of taking every core from the loop and the device.
+        self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="prepare")
 
     def _start_device(self) -> Device:
         """A new device process (blocks until it is ready: seconds, a model load)."""
@@ -224,11 +228,11 @@ class AsyncEngine:
         Raises ValueError naming prompt or structured_output."""
         loop = asyncio.get_running_loop()
         if params is not None and params.structured_output is not None:
-            await loop.run_in_executor(None, self.check_structured_output, params)
+            await loop.run_in_executor(self._prepare_pool, self.check_structured_output, params)
         if not isinstance(prompt, str) or len(prompt) < self.OFF_LOOP_CHARS or not self.tokenizer:
             return prompt
         self.inputs.check_text_fits(prompt)
-        return await loop.run_in_executor(None, self.tokenizer.encode, prompt)
+        return await loop.run_in_executor(self._prepare_pool, self.tokenizer.encode, prompt)
 
     def check_structured_output(self, params: SamplingParams) -> None:
         """Compile the request's grammar here first, so a bad one is a ValueError naming
@@ -291,6 +295,7 @@ class AsyncEngine:
     def _shutdown(self) -> None:
         self.link.detach()
         self.device.close()
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------- the loops
     def _ensure_started(self) -> None:

@@ -37,6 +37,9 @@ class WaitQueue(Protocol):
     def __len__(self) -> int: ...
     def victim(self, candidates: list[Request]) -> Request: ...
     def stopped_running(self, req: Request) -> None: ...
+    def newcomer(self) -> Request | None:
+        """The head request, if its tenant has nothing running and deserves a share now."""
+        ...
 
 
 class OrderedQueue:
@@ -66,6 +69,9 @@ class OrderedQueue:
 
     def stopped_running(self, req: Request) -> None:
         pass
+
+    def newcomer(self) -> Request | None:
+        return None  # no tenants here: admission order is all there is
 
     def victim(self, candidates: list[Request]) -> Request:
         """Lowest priority first (largest number), newest among equals: cheapest to redo."""
@@ -150,8 +156,15 @@ class FairQueue:
     def peek(self) -> Request | None:
         if not self._backlogged:
             return None
-        t = min(self._backlogged.values(), key=lambda x: x.counter)
+        # Ties (a tenant lifted to another's counter) go to the one with less running.
+        t = min(self._backlogged.values(), key=lambda x: (x.counter, x.running))
         return t.waiting[0][2]
+
+    def newcomer(self) -> Request | None:
+        req = self.peek()
+        if req is None or req.tenant_state.running:
+            return None
+        return req
 
     def pop(self) -> Request:
         req = self.peek()

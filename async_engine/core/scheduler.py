@@ -95,6 +95,14 @@ class Scheduler:
         chosen: list[tuple[Request, int]] = []
         new_rows: list[NewRow] = []
         preemptions_before = self.num_preemptions
+        waiting = self.waiting
+        # A tenant with nothing running heads a fair queue: keep it a share of this step's
+        # budget, so another tenant's long prefills cannot hold its first token back.
+        newcomer = waiting.newcomer()
+        reserve = 0
+        if newcomer is not None:
+            reserve = min(budget // 2, newcomer.num_tokens - newcomer.num_computed_tokens)
+            budget -= reserve
 
         # The hot loop: every running request, every step. Kept to plain arithmetic.
         bs = self.config.block_size
@@ -122,10 +130,14 @@ class Scheduler:
 
         # Admit nothing in a step that had to preempt: the pool is short already.
         preempted = self.num_preemptions != preemptions_before
-        waiting = self.waiting
+        budget += reserve
+        seqs = self.config.max_num_seqs
         while len(waiting) and not preempted and budget > 0:
-            if len(self.running) >= self.config.max_num_seqs:
-                break
+            if len(self.running) >= seqs:
+                # A full batch still takes a tenant that has nothing running (up to a
+                # quarter more): otherwise one tenant's burst holds every slot until it ends.
+                if len(self.running) >= seqs + seqs // 4 or waiting.newcomer() is None:
+                    break
             req = waiting.peek()
             if req.num_computed_tokens == 0 and not req.block_ids:
                 self.kv.lookup_prefix(req)
