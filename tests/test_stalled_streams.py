@@ -58,3 +58,38 @@ async def test_cancel_stalled_uses_the_threshold_it_is_given():
 def test_a_timeout_of_zero_is_refused():
     with pytest.raises(ValueError, match="stream idle timeout"):
         StalledStreams(0)
+
+
+def test_a_drain_cancels_a_stream_whose_write_stalls_instead_of_waiting(default_model):
+    from server_helpers import start_server
+
+    from async_engine.server.app import ServerOptions
+    from async_engine.server.service import _Call
+
+    server = start_server(default_model, ServerOptions(port=0, metrics_port=None), device="sim",
+                          dtype="bfloat16")  # fmt: skip
+    service, released = server.server.service, []
+
+    async def handler_stuck_writing() -> None:
+        """What a Generate handler looks like to a client that never reads: in a write."""
+        service.calls["stuck"] = _Call("stuck", "stuck")
+        service.idle.clear()
+        try:
+            await blocked_writer(service.stalls, released)
+        finally:
+            service.calls.pop("stuck")
+            service.idle.set()
+
+    async def start_then_drain() -> tuple[bool, float]:
+        asyncio.get_running_loop().create_task(handler_stuck_writing())
+        await asyncio.sleep(0.05)
+        start = asyncio.get_running_loop().time()
+        drained = await server.server.drain(timeout_s=30)
+        return drained, asyncio.get_running_loop().time() - start
+
+    try:
+        drained, took = server.call(start_then_drain())
+        assert drained and took < 3.0  # not the 30 s drain timeout
+        assert released == ["cleanup ran"]
+    finally:
+        server.close()

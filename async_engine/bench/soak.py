@@ -286,9 +286,14 @@ async def _hostile(address: str, server: Any) -> None:
             async for _ in client.generate([5, 6, 7], max_tokens=256, stop=stops, ignore_eos=True):
                 pass
 
+        async def no_stops() -> None:  # the control: the same generation, no stop strings
+            async for _ in client.generate([5, 6, 7], max_tokens=256, ignore_eos=True):
+                pass
+
         rows = [{"beside": "nothing", "4-token latency ms": round(1000 * alone, 1), "ratio": 1.0}]
         for name, hostile in (("4 MB prompts", huge), ("100k-char prompts", long_text),
-                              ("64 stop strings x 256 tokens", many_stops)):  # fmt: skip
+                              ("64 stop strings x 256 tokens", many_stops),
+                              ("the same 256 tokens, no stop strings", no_stops)):  # fmt: skip
             took = await _beside(client, hostile)
             rows.append({"beside": name, "4-token latency ms": round(1000 * took, 1),
                          "ratio": round(took / alone, 2)})  # fmt: skip

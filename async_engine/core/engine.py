@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -58,6 +60,14 @@ log = structlog.get_logger("async_engine")
 
 class EngineClosedError(RuntimeError):
     pass
+
+
+def _lower_thread_priority() -> None:
+    """Nice the calling thread (Linux schedules threads alone); elsewhere, nothing."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
 
 
 class AsyncEngine:
@@ -116,9 +126,11 @@ class AsyncEngine:
         self._closed = False
         self.fatal_error: BaseException | None = None
         self._grammars: Any = None  # streams.grammar.Grammars, on the first structured request
-        # One thread for tokenizing and grammar compiles: a flood of heavy submissions
-        # queues behind itself instead of taking every core from the loop and the device.
-        self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="prepare")
+        # One thread for tokenizing and grammar compiles, at a lower CPU priority: a flood
+        # of heavy submissions queues behind itself and yields the cores to the event loop
+        # and the device instead of taking them.
+        self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="prepare",
+                                                initializer=_lower_thread_priority)  # fmt: skip
 
     def _start_device(self) -> Device:
         """A new device process (blocks until it is ready: seconds, a model load)."""
