@@ -96,3 +96,47 @@ def test_serve_exits_1_when_the_device_cannot_be_replaced(tiny_model: Path):
         if proc.poll() is None:
             proc.kill()
             pytest.fail("serve kept running with a dead device")
+
+
+def test_over_http_a_whole_answer_survives_a_device_kill_and_a_stream_is_told(tiny_model: Path):
+    import http.client
+    import threading
+
+    server = start_server(tiny_model, ServerOptions(port=0, metrics_port=None, http_port=0))
+    try:
+        engine = server.engine
+
+        def kill_once_running() -> None:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                running = list(engine.scheduler.running)
+                if running and len(running[0].output_ids) > 5:
+                    os.kill(engine.device.pid, signal.SIGKILL)
+                    return
+                time.sleep(0.005)
+
+        def post(stream: bool) -> tuple[int, str]:
+            body = {"model": "default", "prompt": [5, 6, 7], "max_tokens": 300,
+                    "ignore_eos": True, "temperature": 0.0, "stream": stream}  # fmt: skip
+            conn = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=60)
+            conn.request("POST", "/v1/completions", json.dumps(body),
+                         {"content-type": "application/json"})  # fmt: skip
+            resp = conn.getresponse()
+            return resp.status, resp.read().decode()
+
+        for stream in (False, True):
+            killer = threading.Thread(target=kill_once_running)
+            killer.start()
+            status, text = post(stream)
+            killer.join()
+            assert status == 200
+            if stream:  # headers went out before the loss: the error comes in-band
+                assert '"code": "device_lost"' in text
+            else:  # its client had seen nothing: it started over on the new device
+                assert json.loads(text)["usage"]["completion_tokens"] == 300
+        deadline = time.monotonic() + 30
+        while engine.supervisor.restarts < 2:  # the second restart may still be under way
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        server.close()

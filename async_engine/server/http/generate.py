@@ -45,7 +45,9 @@ class OpenAIGeneration:
 
     def submit(self) -> None:
         sub = self.sub
-        options: dict[str, Any] = {"tenant": sub.user}
+        # A whole (non-streamed) answer wants its output once, at the end; until then its
+        # client has seen nothing, so a lost device can start it over.
+        options: dict[str, Any] = {"tenant": sub.user, "stream": sub.stream}
         prompt = sub.prompt
         if sub.messages is not None:
             options["messages"] = sub.messages
