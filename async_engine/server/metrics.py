@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from async_engine.core.request import Request
+from async_engine.server.histograms import BulkHistogram
 from async_engine.server.tenant_labels import TenantLabels
 
 if TYPE_CHECKING:
@@ -58,12 +59,8 @@ class ServerMetrics:
             buckets=TTFT_BUCKETS,
             registry=reg,
         )
-        self.itl = Histogram(
-            "vllm:inter_token_latency_seconds",
-            "Inter-token latency",
-            m,
-            buckets=ITL_BUCKETS,
-            registry=reg,
+        self.itl = BulkHistogram(  # one value per generated token: observed in bulk
+            "vllm:inter_token_latency_seconds", "Inter-token latency", m, ITL_BUCKETS, reg
         )
         self.e2e = Histogram(
             "vllm:e2e_request_latency_seconds",
@@ -164,12 +161,12 @@ class ServerMetrics:
             buckets=TTFT_BUCKETS,
             registry=reg,
         )
-        self.tenant_itl = Histogram(
+        self.tenant_itl = BulkHistogram(
             "async_engine:tenant_inter_token_latency_seconds",
             "Inter-token latency by tenant",
-            m + ["tenant"],
-            buckets=ITL_BUCKETS,
-            registry=reg,
+            [*m, "tenant"],
+            ITL_BUCKETS,
+            reg,
         )
         self.tenant_service = Counter(
             "async_engine:tenant_service_tokens",
@@ -183,7 +180,6 @@ class ServerMetrics:
             self.waiting,
             self.kv_usage,
             self.ttft,
-            self.itl,
             self.e2e,
             self.queue,
             self.preemptions,
@@ -197,6 +193,7 @@ class ServerMetrics:
             self.fragmentation,
         ):
             metric.labels(model_name)
+        self.itl.observe_many((model_name,), ())
         self.tenants = TenantLabels(MAX_TENANTS)
         self._last_counts: dict[str, int] = {}
         self._last_phase: dict[str, float] = {}
@@ -215,14 +212,12 @@ class ServerMetrics:
         if req.first_token_time is not None:
             self.ttft.labels(name).observe(req.first_token_time - req.arrival_time)
         times = req.token_times
-        for earlier, later in zip(times, times[1:], strict=False):
-            self.itl.labels(name).observe(later - earlier)
+        gaps = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+        self.itl.observe_many((name,), gaps)
         tenant = self.tenants.label(req.tenant)
         if req.first_token_time is not None:
             self.tenant_ttft.labels(name, tenant).observe(req.first_token_time - req.arrival_time)
-        tenant_itl = self.tenant_itl.labels(name, tenant)
-        for earlier, later in zip(times, times[1:], strict=False):
-            tenant_itl.observe(later - earlier)
+        self.tenant_itl.observe_many((name, tenant), gaps)
         self.tenant_service.labels(name, tenant, "prompt").inc(
             max(0, req.num_prompt_tokens - req.num_cached_tokens)
         )
