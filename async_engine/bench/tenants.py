@@ -4,7 +4,8 @@ one server per scheduling policy; per-tenant latency and the service difference 
 SPEC is ``name:key=value,...`` per tenant, ``;`` between tenants. Keys: ``burst`` (that many
 requests at t=0), ``rate`` and ``duration`` (Poisson arrivals, req/s for seconds),
 ``prompt`` and ``output`` (tokens; ``lo-hi`` for a range), ``start`` (seconds after t=0).
-The noisy neighbour:
+Per tenant it prints TTFT and ITL p50/p95/p99 and goodput (requests per second within
+``--slo-ttft-ms``/``--slo-itl-ms``). The noisy neighbour:
 ``a:burst=64,prompt=300,output=128;b:rate=1,duration=30,prompt=50,output=32``.
 
 Service is what VTC counts: prompt tokens at price 1 and output tokens at price 2, over
@@ -24,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from async_engine.bench.load import RequestRecord, percentiles
+from async_engine.bench.load import RequestRecord, Slo, percentiles
 
 SAMPLE_S = 0.25
 
@@ -146,7 +147,9 @@ async def drive(client: Any, sent: list[Sent], weights: dict[str, float]) -> dic
             "service": {n: service(n) for n in tenants}}  # fmt: skip
 
 
-def report(sent: list[Sent], run: dict[str, Any], weights: dict[str, float]) -> dict[str, Any]:
+def report(
+    sent: list[Sent], run: dict[str, Any], weights: dict[str, float], slo: Slo
+) -> dict[str, Any]:
     tenants = sorted({s.tenant for s in sent})
     out: dict[str, Any] = {"duration_s": run["duration_s"], "tenants": {}}
     total = 0
@@ -159,6 +162,7 @@ def report(sent: list[Sent], run: dict[str, Any], weights: dict[str, float]) -> 
             "errors": sum(r.error is not None for r in recs),
             "ttft_s": percentiles([t for r in done if (t := r.ttft()) is not None]),
             "itl_s": percentiles([g for r in done for g in r.itls()]),
+            "goodput": sum(slo.met_by(r) for r in done) / run["duration_s"],
             "service": run["service"][name],
         }  # fmt: skip
     out["output_tokens_per_s"] = total / run["duration_s"]
@@ -190,13 +194,13 @@ def print_report(policy: str, out: dict[str, Any], weights: dict[str, float]) ->
     print(f"\n== policy {policy}: {out['output_tokens_per_s']:.0f} output tok/s, "
           f"{out['duration_s']:.1f} s")  # fmt: skip
     print(f"{'tenant':>8} {'done':>9} | {'TTFT p50/p95/p99 ms':>22} | {'ITL p50/p95/p99 ms':>20} "
-          f"| {'weighted service':>16}")  # fmt: skip
+          f"| {'goodput':>7} | {'weighted service':>16}")  # fmt: skip
     for name, t in out["tenants"].items():
         f, i = t["ttft_s"], t["itl_s"]
         print(f"{name:>8} {t['completed']:>4}/{t['requests']:<4} | "
               f"{f['p50'] * ms:>6.0f}/{f['p95'] * ms:>6.0f}/{f['p99'] * ms:>6.0f}   | "
               f"{i['p50'] * ms:>5.0f}/{i['p95'] * ms:>5.0f}/{i['p99'] * ms:>5.0f}   | "
-              f"{t['service']:>16.0f}")  # fmt: skip
+              f"{t['goodput']:>7.2f} | {t['service']:>16.0f}")  # fmt: skip
     d = out["service_diff"]
     print(f"service difference among backlogged tenants: max {d['max']:.0f}, mean {d['mean']:.0f} "
           f"({d['samples']} samples)")  # fmt: skip
@@ -246,7 +250,8 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         proc, address, _ = spawn_server(server_args)
         try:
             sent = schedule(run_loads, args.vocab_size, args.workload_seed)
-            out = report(sent, uvloop.run(run_policy(address, sent, weights)), weights)
+            slo = Slo(args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000)
+            out = report(sent, uvloop.run(run_policy(address, sent, weights)), weights, slo)
         finally:
             proc.terminate()
             proc.wait(timeout=60)
