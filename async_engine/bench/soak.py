@@ -155,7 +155,7 @@ async def _soak(args: argparse.Namespace, address: str, metrics_port: int, serve
                 await asyncio.sleep(max(1.0, seconds / 60))
 
         sampler = asyncio.create_task(sample())
-        killer = asyncio.create_task(_kill_devices(args.device_kills, seconds, address, server))
+        killer = asyncio.create_task(_kill_devices(client, args.device_kills, seconds, server))
         started = time.monotonic()
         await soak.run(seconds)
         elapsed = time.monotonic() - started
@@ -195,15 +195,8 @@ async def _soak(args: argparse.Namespace, address: str, metrics_port: int, serve
     return 1 if any(row["value"] for row in rows[3:6]) else 0
 
 
-async def _kill_devices(count: int, seconds: float, address: str, server: Any) -> list:
+async def _kill_devices(client: Any, count: int, seconds: float, server: Any) -> list:
     """SIGKILL the device ``count`` times; (seconds to NOT_SERVING, to SERVING again)."""
-    from async_engine.client import AsyncClient
-
-    async with AsyncClient(address) as client:
-        return await _kills(client, count, seconds, server)
-
-
-async def _kills(client: Any, count: int, seconds: float, server: Any) -> list:
     timings: list[tuple[float, float]] = []
     start = time.monotonic()
     for i in range(count):

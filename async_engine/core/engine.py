@@ -350,7 +350,8 @@ class AsyncEngine:
         self.fatal_error = exc
         self.supervisor.gave_up()
         self.link.detach()
-        for req in self.scheduler.device_lost(lambda req: False, reason):
+        ended, _ = self.scheduler.device_lost(lambda req: False, reason)
+        for req in ended:
             self._emit(req)
         for req in list(self.scheduler.requests.values()):
             self.finish(req.request_id, reason)
@@ -371,12 +372,11 @@ class AsyncEngine:
         self.link.detach()
         # Decided before the first await: a reader that takes output meanwhile must not
         # find it dropped under it.
-        for req in self.scheduler.device_lost(self._can_start_over):
+        ended, again = self.scheduler.device_lost(self._can_start_over)
+        for req in ended:
             self._emit(req)
-        for req in self.scheduler.requests.values():
-            processor = self._outputs.get(req.request_id)
-            if processor is not None and req.num_device_losses and not req.output_ids:
-                processor.start_over()
+        for req in again:  # _can_start_over saw a processor for each
+            self._outputs[req.request_id].start_over()
         self.timeline.forget_inflight()
         await loop.run_in_executor(None, self.device.kill)
         while (delay := self.supervisor.next_attempt_delay()) is not None:

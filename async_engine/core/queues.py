@@ -32,10 +32,16 @@ class WaitQueue(Protocol):
 
     def push(self, req: Request) -> None: ...
     def peek(self) -> Request | None: ...
-    def pop(self) -> Request: ...
+    def pop(self, head: Request) -> None:
+        """Take ``head``, what ``peek`` just returned, off the queue (it is admitted)."""
+        ...
+
     def remove(self, req: Request) -> None: ...
     def __len__(self) -> int: ...
-    def victim(self, candidates: list[Request]) -> Request: ...
+    def victim(self, running: list[Request], planned: list[Request]) -> Request:
+        """Whom to preempt among ``running``; ``planned`` already has tokens this step."""
+        ...
+
     def stopped_running(self, req: Request) -> None: ...
     def newcomer(self) -> Request | None:
         """The head request, if its tenant has nothing running and deserves a share now."""
@@ -57,8 +63,8 @@ class OrderedQueue:
     def peek(self) -> Request | None:
         return self._heap[0][2] if self._heap else None
 
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[2]
+    def pop(self, head: Request) -> None:
+        heapq.heappop(self._heap)
 
     def remove(self, req: Request) -> None:
         self._heap = [e for e in self._heap if e[2] is not req]
@@ -73,8 +79,10 @@ class OrderedQueue:
     def newcomer(self) -> Request | None:
         return None  # no tenants here: admission order is all there is
 
-    def victim(self, candidates: list[Request]) -> Request:
-        """Lowest priority first (largest number), newest among equals: cheapest to redo."""
+    def victim(self, running: list[Request], planned: list[Request]) -> Request:
+        """Lowest priority first (largest number), newest among equals: cheapest to redo;
+        one not planned this step if there is one."""
+        candidates = [r for r in running if r not in planned] or running
         if self.by_priority:
             return max(candidates, key=lambda r: (r.priority, r.arrival_seq))
         return max(candidates, key=lambda r: r.arrival_seq)
@@ -166,18 +174,14 @@ class FairQueue:
             return None
         return req
 
-    def pop(self) -> Request:
-        req = self.peek()
-        if req is None:
-            raise IndexError("pop from an empty queue")
-        t = req.tenant_state
+    def pop(self, head: Request) -> None:
+        t = head.tenant_state
         heapq.heappop(t.waiting)
         self._size -= 1
         if not t.waiting:
             del self._backlogged[t.name]
         t.running += 1
         self._touch(t)
-        return req
 
     def remove(self, req: Request) -> None:
         t = req.tenant_state
@@ -201,9 +205,10 @@ class FairQueue:
     def __len__(self) -> int:
         return self._size
 
-    def victim(self, candidates: list[Request]) -> Request:
-        """From the tenant furthest over its share; lowest priority, newest, within it."""
-        return max(candidates, key=lambda r: (r.tenant_state.counter if r.tenant_state else 0.0,
+    def victim(self, running: list[Request], planned: list[Request]) -> Request:
+        """From the tenant furthest over its share, planned this step or not; lowest
+        priority, newest, within it."""
+        return max(running, key=lambda r: (r.tenant_state.counter if r.tenant_state else 0.0,
                                               r.priority, r.arrival_seq))  # fmt: skip
 
 

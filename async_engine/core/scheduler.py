@@ -146,7 +146,7 @@ class Scheduler:
                 self.kv.release(req)  # give back prefix-cache hits; retry next step
                 req.num_computed_tokens = 0
                 break
-            waiting.pop()
+            waiting.pop(req)
             req.status = RequestStatus.RUNNING
             if req.scheduled_time is None:
                 req.scheduled_time = time.monotonic()
@@ -168,7 +168,7 @@ class Scheduler:
         while True:
             if self._blocks_arriving() >= self.kv.blocks_needed(req, n) - self.pool.num_free:
                 return False  # blocks of ended requests come back after the running step
-            victim = self._pick_victim(exclude=[r for r, _ in chosen])
+            victim = self.waiting.victim(self.running, [r for r, _ in chosen])
             self._preempt(victim)
             if victim is req:
                 return False
@@ -256,12 +256,6 @@ class Scheduler:
         return NewRow(req.row, req.params, list(req.prompt_ids), stop_ids)
 
     # ------------------------------------------------------------ preemption
-    def _pick_victim(self, exclude: list[Request]) -> Request:
-        if self.waiting.charges:  # fair: the tenant furthest over its share, chosen or not
-            return self.waiting.victim(self.running)
-        candidates = [r for r in self.running if r not in exclude] or self.running
-        return self.waiting.victim(candidates)
-
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.waiting.stopped_running(req)
@@ -366,16 +360,17 @@ class Scheduler:
         self,
         can_requeue: Callable[[Request], bool],
         reason: FinishReason = FinishReason.DEVICE_LOST,
-    ) -> list[Request]:
+    ) -> tuple[list[Request], list[Request]]:
         """The device and all it held (KV cache, row tables) are gone: every launched step
         counts as completed, every block returns and rows start over on the next device.
 
         A request the device had touched goes back to waiting, to be computed afresh with
-        no output, where ``can_requeue`` allows; otherwise it ends with DEVICE_LOST. Waiting
-        requests never admitted are untouched. Returns the requests that ended (``reason``).
+        no output, where ``can_requeue`` allows; otherwise it ends with ``reason``. Waiting
+        requests never admitted are untouched. Returns (ended, started over).
         """
         self.step_completed(self.next_step_id - 1)
         ended: list[Request] = []
+        again: list[Request] = []
         for req in list(self.requests.values()):
             if req.finished:
                 continue
@@ -384,12 +379,13 @@ class Scheduler:
                 continue
             if can_requeue(req):
                 self._start_over(req)
+                again.append(req)
             else:
                 self.finish(req, reason)
                 ended.append(req)
         self._free_rows, self._num_rows, self._released_rows = [], 0, []
         self.pool.reset_prefix_cache()  # the cached KV lived on the lost device
-        return ended
+        return ended, again
 
     def _start_over(self, req: Request) -> None:
         was_running = req.status is RequestStatus.RUNNING

@@ -68,6 +68,11 @@ class Principal:
         return f"{self.name}/{request_id}"
 
 
+def scoped(principal: Principal | None, request_id: str) -> str:
+    """The engine-wide id of a request id: global without auth, else its principal's."""
+    return request_id if principal is None else principal.scope(request_id)
+
+
 class Principals:
     def __init__(self, by_token: dict[str, Principal]) -> None:
         if not by_token:

@@ -21,7 +21,7 @@ from async_engine.core.fanout import child_ids
 from async_engine.core.inputs import DuplicateRequestError, QueueFullError
 from async_engine.core.output import RequestDelta
 from async_engine.core.request import FinishReason, Request
-from async_engine.server.auth import NotAllowed, Principal, Principals
+from async_engine.server.auth import NotAllowed, Principal, Principals, scoped
 from async_engine.server.codec import Limits, Submission, decode_request
 from async_engine.server.codec import accepted as accepted_msg
 from async_engine.server.codec import chunk as chunk_msg
@@ -126,18 +126,18 @@ class GenerationService(pb_grpc.GenerationServicer):
         except ValueError as exc:
             raise invalid_argument(str(exc), prompt_field=sub.prompt_field) from None
         rid = sub.request_id or uuid.uuid4().hex
-        scoped = rid if principal is None else principal.scope(rid)
-        if scoped in self.calls:
+        scoped_id = scoped(principal, rid)
+        if scoped_id in self.calls:
             raise already_exists(rid)
-        call = _Call(rid, scoped)
+        call = _Call(rid, scoped_id)
         try:
-            for i, child_id in enumerate(child_ids(scoped, sub.n)):
+            for i, child_id in enumerate(child_ids(scoped_id, sub.n)):
                 call.children.append(self._add(sub, child_id, i))
         except BaseException:
             for req in call.children:
                 self.engine.release(req)
             raise
-        self.calls[scoped] = call
+        self.calls[scoped_id] = call
         self.idle.clear()
         return call
 
@@ -202,13 +202,13 @@ class GenerationService(pb_grpc.GenerationServicer):
         aborted, unknown = [], []
         principal = self._principal(context)
         for rid in request.request_ids:
-            scoped = rid if principal is None else principal.scope(rid)
-            call = self.calls.get(scoped)
+            scoped_id = scoped(principal, rid)
+            call = self.calls.get(scoped_id)
             if call is not None:
                 for req in call.children:
                     self.engine.finish(req.request_id)
                 aborted.append(rid)
-            elif self.engine.finish(scoped):  # one child of an n > 1 call (core.fanout)
+            elif self.engine.finish(scoped_id):  # one child of an n > 1 call (core.fanout)
                 aborted.append(rid)
             else:
                 unknown.append(rid)

@@ -15,7 +15,7 @@ from async_engine.core.fanout import child_ids
 from async_engine.core.inputs import DuplicateRequestError, QueueFullError
 from async_engine.core.output import RequestDelta
 from async_engine.core.request import FinishReason, Request
-from async_engine.server.auth import Principal
+from async_engine.server.auth import Principal, scoped
 from async_engine.server.http.errors import HttpError, bad_request
 from async_engine.server.http.protocol import HttpSubmission, finish_reason, usage
 from async_engine.server.service import merge_streams
@@ -38,7 +38,7 @@ class OpenAIGeneration:
         self.engine, self.sub, self.chat = engine, sub, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + (request_id or uuid.uuid4().hex)
         # Engine ids are scoped to the caller: another principal's ids are not visible.
-        self.engine_id = self.id if principal is None else principal.scope(self.id)
+        self.engine_id = scoped(principal, self.id)
         self.created = int(time.time())
         self.children: list[Request] = []
         self.prompt_tokens = self.cached_tokens = 0
