@@ -38,7 +38,7 @@ def test_the_report_measures_service_difference_among_backlogged_tenants_only():
         {"t": 0.50, "service": {"a": 30.0, "b": 14.0}, "backlogged": ["a", "b"]},
         {"t": 0.75, "service": {"a": 90.0, "b": 14.0}, "backlogged": ["a"]},  # b not waiting
     ]
-    run = {"duration_s": 1.0, "samples": samples, "service": {"a": 18.0, "b": 18.0}}
+    run = {"duration_s": 1.0, "start": 0.0, "samples": samples, "service": {"a": 18.0, "b": 18.0}}
     out = report(sent, run, {"a": 2.0, "b": 1.0}, Slo(1.0, 1.0))
     assert out["service_diff"] == {"max": 16.0, "mean": 11.0, "samples": 2}
     assert out["weighted_service_ratio"] == pytest.approx((20 * 2) / (10 * 1))

@@ -21,14 +21,19 @@ from sampler.params import SamplingParams
 _ids = itertools.count()
 
 
-def scheduler(policy="fair", *, seqs=4, budget=64, blocks=4096, weights=None, **queue_args):
+def scheduler(policy="fair", *, seqs=4, budget=64, blocks=4096, weights=None,
+              compute_bound=False, **queue_args):  # fmt: skip
     queue = FairQueue(weights, **queue_args) if policy == "fair" and queue_args else (
         make_queue(policy, weights))  # fmt: skip
-    return Scheduler(SchedulerConfig(seqs, budget, 4096, 4), BlockPool(blocks, 4), queue)
+    config = SchedulerConfig(seqs, budget, 4096, 4, compute_bound=compute_bound)
+    return Scheduler(config, BlockPool(blocks, 4), queue)
 
 
-def submit(sched: Scheduler, tenant: str, prompt: int = 8, out: int = 4, priority: int = 0):
-    req = Request(f"r{next(_ids)}", [5] * prompt, SamplingParams(max_tokens=out, ignore_eos=True),
+def submit(sched: Scheduler, tenant: str, prompt: int = 8, out: int = 4, priority: int = 0,
+           distinct: bool = False):  # fmt: skip
+    """A request; ``distinct``: a prompt no other shares (no prefix-cache hits)."""
+    tokens = [100 + next(_ids) % 30000 for _ in range(prompt)] if distinct else [5] * prompt
+    req = Request(f"r{next(_ids)}", tokens, SamplingParams(max_tokens=out, ignore_eos=True),
                   priority=priority, tenant=tenant, arrival_seq=next(_ids))  # fmt: skip
     sched.add_request(req)
     return req
@@ -128,6 +133,98 @@ def test_preemption_takes_from_the_tenant_furthest_over_its_share():
             break
     assert sched.num_preemptions
     assert light.num_preemptions == 0 and sum(r.num_preemptions for r in hog) >= 1
+
+
+def burst_in_prefill(**kwargs) -> Scheduler:
+    """Tenant a's 8 long prompts fill the batch and are mid-prefill; some decode already."""
+    sched = scheduler(seqs=8, budget=64, **kwargs)
+    for _ in range(8):
+        submit(sched, "a", prompt=40, out=50, distinct=True)
+    for _ in range(3):
+        step(sched)
+    return sched
+
+
+def planned(plan) -> dict[str, int]:
+    """Tokens per request id in a plan."""
+    return {r.request_id: n for r, n in zip(plan.requests, plan.query_lens.tolist(), strict=True)}
+
+
+def test_a_tenant_behind_in_the_batch_gets_a_step_before_the_bursts_prefill_goes_on():
+    sched = burst_in_prefill()
+    late = submit(sched, "b", prompt=10, out=4, distinct=True)
+    plan = sched.schedule()
+    tokens = planned(plan)
+    assert tokens.pop(late.request_id) == 10  # its whole prompt: the first token is this step's
+    assert tokens and all(n == 1 for n in tokens.values())  # a's decodes ride, no prefill chunk
+
+
+def test_on_a_compute_bound_device_that_step_carries_the_late_tenant_alone():
+    sched = burst_in_prefill(compute_bound=True)
+    late = submit(sched, "b", prompt=10, out=4, distinct=True)
+    assert planned(sched.schedule()) == {late.request_id: 10}
+
+
+def test_first_token_steps_are_at_most_two_in_any_four():
+    sched = burst_in_prefill(compute_bound=True)
+    kinds = []
+    for _ in range(12):
+        submit(sched, "b", prompt=4, out=1, distinct=True)  # a new late request before every step
+        plan = sched.schedule()
+        kinds.append({r.tenant for r in plan.requests} == {"b"})
+        sched.update_from_output(plan, [7] * int(plan.sample.sum()))
+    assert all(sum(kinds[i : i + 4]) <= 2 for i in range(len(kinds) - 3))
+    assert sum(kinds) >= 5
+
+
+def test_tenants_sharing_the_batch_evenly_get_no_first_token_steps():
+    sched = scheduler(seqs=8, budget=64)
+    for _ in range(3):
+        submit(sched, "a", prompt=40, out=50, distinct=True)
+        submit(sched, "b", prompt=40, out=50, distinct=True)
+    step(sched)
+    extra = submit(sched, "b", prompt=10, out=4, distinct=True)
+    assert sched.waiting.under_share(8) is None  # b runs as many as a
+    tokens = planned(sched.schedule())
+    assert tokens.get(extra.request_id, 0) < sum(tokens.values())
+
+
+def test_a_single_tenant_is_never_behind():
+    sched = scheduler(seqs=8, budget=64)
+    for _ in range(4):
+        submit(sched, "a", prompt=40, out=50, distinct=True)
+    step(sched)
+    submit(sched, "a", prompt=10, out=4, distinct=True)
+    assert sched.waiting.under_share(8) is None and not sched.waiting.contended(8)
+
+
+def test_a_full_batch_takes_a_tenant_under_its_share_up_to_a_quarter_more():
+    sched = scheduler(seqs=8, budget=512)
+    for _ in range(8):
+        submit(sched, "a", prompt=8, out=100, distinct=True)
+    step(sched)
+    first_b = submit(sched, "b", prompt=4, out=100, distinct=True)
+    step(sched)  # b's first request takes a ninth slot
+    more_b = [submit(sched, "b", prompt=4, out=100, distinct=True) for _ in range(3)]
+    for _ in range(4):
+        step(sched)
+    running = {r.request_id for r in sched.running}
+    assert first_b.request_id in running
+    assert len(sched.running) == 8 + 8 // 4  # b holds 3 of 10, still under its share of 4
+    assert sum(r.request_id in running for r in more_b) == 1
+    submit(sched, "a", prompt=8, out=100, distinct=True)
+    step(sched)
+    assert len(sched.running) == 10  # a, over its share, waits for a free slot
+
+
+def test_a_compute_bound_device_halves_its_steps_while_a_tenant_is_behind():
+    sched = burst_in_prefill(compute_bound=True)
+    assert sum(planned(sched.schedule()).values()) == 64  # a alone: the whole budget
+    submit(sched, "b", prompt=4, out=40, distinct=True)
+    for _ in range(3):
+        step(sched)  # b's first-token step, then b decodes beside a's prefill
+    assert sched.waiting.contended(8)
+    assert sum(planned(sched.schedule()).values()) <= 32
 
 
 def test_idle_tenants_are_evicted_past_the_table_limit_and_busy_ones_kept():

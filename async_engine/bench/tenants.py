@@ -143,7 +143,7 @@ async def drive(client: Any, sent: list[Sent], weights: dict[str, float]) -> dic
                         "service": {n: service(n) for n in tenants},
                         "backlogged": [n for n in tenants if waiting.get(n, (0, 0))[0]]})  # fmt: skip
     await asyncio.gather(*tasks)
-    return {"duration_s": time.perf_counter() - start, "samples": samples,
+    return {"duration_s": time.perf_counter() - start, "start": start, "samples": samples,
             "service": {n: service(n) for n in tenants}}  # fmt: skip
 
 
@@ -163,6 +163,7 @@ def report(
             "ttft_s": percentiles([t for r in done if (t := r.ttft()) is not None]),
             "itl_s": percentiles([g for r in done for g in r.itls()]),
             "goodput": sum(slo.met_by(r) for r in done) / run["duration_s"],
+            "last_done_s": max((r.end for r in done), default=run["start"]) - run["start"],
             "service": run["service"][name],
         }  # fmt: skip
     out["output_tokens_per_s"] = total / run["duration_s"]
@@ -194,13 +195,13 @@ def print_report(policy: str, out: dict[str, Any], weights: dict[str, float]) ->
     print(f"\n== policy {policy}: {out['output_tokens_per_s']:.0f} output tok/s, "
           f"{out['duration_s']:.1f} s")  # fmt: skip
     print(f"{'tenant':>8} {'done':>9} | {'TTFT p50/p95/p99 ms':>22} | {'ITL p50/p95/p99 ms':>20} "
-          f"| {'goodput':>7} | {'weighted service':>16}")  # fmt: skip
+          f"| {'goodput':>7} | {'weighted service':>16} | {'last done s':>11}")  # fmt: skip
     for name, t in out["tenants"].items():
         f, i = t["ttft_s"], t["itl_s"]
         print(f"{name:>8} {t['completed']:>4}/{t['requests']:<4} | "
               f"{f['p50'] * ms:>6.0f}/{f['p95'] * ms:>6.0f}/{f['p99'] * ms:>6.0f}   | "
               f"{i['p50'] * ms:>5.0f}/{i['p95'] * ms:>5.0f}/{i['p99'] * ms:>5.0f}   | "
-              f"{t['goodput']:>7.2f} | {t['service']:>16.0f}")  # fmt: skip
+              f"{t['goodput']:>7.2f} | {t['service']:>16.0f} | {t['last_done_s']:>11.1f}")  # fmt: skip
     d = out["service_diff"]
     print(f"service difference among backlogged tenants: max {d['max']:.0f}, mean {d['mean']:.0f} "
           f"({d['samples']} samples)")  # fmt: skip

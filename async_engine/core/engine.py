@@ -45,6 +45,7 @@ from async_engine.core.queues import make_queue
 from async_engine.core.request import FinishReason, Request
 from async_engine.core.scheduler import Scheduler, SchedulerConfig
 from async_engine.core.stats import DeviceTimeline, EngineStats, PhaseClock
+from async_engine.core.step_times import StepTimes
 from async_engine.core.supervisor import DeviceState, RestartPolicy, Supervisor
 from async_engine.core.tokenizer import Tokenizer
 from async_engine.model import build_model, load_model_config, resolve_model
@@ -72,6 +73,7 @@ def _lower_thread_priority() -> None:
 
 class AsyncEngine:
     SPIN_BELOW_S = 5e-3  # device steps shorter than this are awaited by polling
+    PLAN_LATE_ABOVE_S = 0.02  # steps longer than this have the next one planned near their end
     OFF_LOOP_CHARS = 16_384  # text prompts at least this long are tokenized off the loop
 
     def __init__(
@@ -96,7 +98,8 @@ class AsyncEngine:
                            config.default_tenant_weight)  # fmt: skip
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                            self.max_model_len, config.block_size),
+                            self.max_model_len, config.block_size,
+                            compute_bound=self.device_kind == "cpu"),
             self.pool,
             queue,
         )  # fmt: skip
@@ -119,7 +122,8 @@ class AsyncEngine:
         self.pacer = StreamPacer()
         self.unread = UnreadBudget(config.max_unread_bytes_per_stream, config.max_unread_bytes)
         self._step_s = 0.0  # moving average of the device's step time
-        self._step_tokens = 1.0  # and of its input tokens
+        self.step_times = StepTimes()  # by step size: when to plan, when a step is hung
+        self._step_started_at = 0.0  # when the step in flight began (about; control clock)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
@@ -418,6 +422,9 @@ class AsyncEngine:
     async def overlap_loop(self) -> None:
         inflight: tuple[StepPlan, asyncio.Future] | None = None
         while True:
+            if inflight is not None and await self._ended_before_planning(*inflight):
+                self._apply(inflight[0], await self._wait(*inflight))
+                inflight = None
             plan = self._schedule()
             launched = self._launch(plan) if plan is not None else None
             if inflight is not None:
@@ -434,6 +441,20 @@ class AsyncEngine:
                 continue
             launched = self._launch(plan)
             self._apply(plan, await self._wait(*launched))
+
+    async def _ended_before_planning(self, plan: StepPlan, future: asyncio.Future) -> bool:
+        """Wait to plan the next step until shortly before the one in flight ends, where
+        steps are long (a CPU's): a request that arrives meanwhile rides the next step
+        instead of the one after, a whole step sooner. True if the step ended first."""
+        expected = self.step_times.predict(len(plan.input_ids))
+        if expected is None or expected < self.PLAN_LATE_ABOVE_S:
+            return False  # GPU-speed steps: plan at once, the queue ahead is what keeps it busy
+        margin = 3e-3  # planning takes ~1 ms; a step that ends sooner is applied first
+        delay = self._step_started_at + expected - margin - time.monotonic()
+        if delay <= 0:
+            return False
+        done, _ = await asyncio.wait((future,), timeout=delay)
+        return bool(done)
 
     def _schedule(self) -> StepPlan | None:
         start = time.monotonic()
@@ -466,7 +487,8 @@ class AsyncEngine:
         resumed = time.monotonic()
         step = result.device_end - result.device_start
         self._step_s += 0.1 * (step - self._step_s)
-        self._step_tokens += 0.1 * (len(plan.input_ids) - self._step_tokens)
+        self.step_times.observe(len(plan.input_ids), step)
+        self._step_started_at = resumed  # the next step, queued behind this one, starts now
         self._phase("wait", plan.step_id, start, resumed)
         # From when the engine could go on (waiting, result in) to when the loop let it.
         # Only GPU-speed steps are paced: beside a CPU step of 10 ms and more, the delay
@@ -479,7 +501,7 @@ class AsyncEngine:
     def _step_timeout(self, plan: StepPlan) -> float:
         """Past this a step is hung: the configured floor, or 20x what this step's tokens
         took per token lately (a long prefill chunk may run far longer than a decode)."""
-        expected = self._step_s * max(1.0, len(plan.input_ids) / max(1.0, self._step_tokens))
+        expected = self.step_times.predict(len(plan.input_ids)) or 0.0
         return max(self.config.device_step_timeout_s, 20.0 * expected)
 
     def _spin_budget(self) -> float:
@@ -505,6 +527,8 @@ class AsyncEngine:
 
     def _launch(self, plan: StepPlan) -> tuple[StepPlan, asyncio.Future]:
         start = time.monotonic()
+        if not self.link.has_inflight():
+            self._step_started_at = start  # an idle device starts it at once
         self.timeline.on_launch(plan.step_id, start)
         future = self.link.launch(plan)
         self._phase("launch", plan.step_id, start, time.monotonic())

@@ -59,6 +59,10 @@ class DeviceLink:
             raise
         return future
 
+    def has_inflight(self) -> bool:
+        """Whether a launched step has not reported back yet."""
+        return bool(self._futures)
+
     def check(self) -> None:
         """Raise DeviceError if the device died or stopped answering (or did so before)."""
         if self.lost is None:

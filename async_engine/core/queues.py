@@ -9,12 +9,17 @@ admitted next, and within a tenant priority then arrival order rule. A tenant th
 returns from idle has its counter lifted to the smallest backlogged counter (or, with
 nobody waiting, to the largest running one), so nobody banks credit by idling. Idle
 tenants' entries are evicted past ``max_tenants``: a lifted newcomer loses nothing.
+
+Counters order admission; they do not say how soon an admitted request runs. So the fair
+queue also tells the scheduler when a tenant is behind in the batch (``under_share``,
+``contended``): the scheduler then gives it a step of its own for its first token.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -43,8 +48,13 @@ class WaitQueue(Protocol):
         ...
 
     def stopped_running(self, req: Request) -> None: ...
-    def newcomer(self) -> Request | None:
-        """The head request, if its tenant has nothing running and deserves a share now."""
+    def under_share(self, slots: int) -> Request | None:
+        """The head request, if its tenant runs fewer than its weighted share of ``slots``
+        and fewer (per weight) than another tenant: it is behind in the batch."""
+        ...
+
+    def contended(self, slots: int) -> bool:
+        """Whether any tenant with work is behind in the batch (as in ``under_share``)."""
         ...
 
 
@@ -76,8 +86,11 @@ class OrderedQueue:
     def stopped_running(self, req: Request) -> None:
         pass
 
-    def newcomer(self) -> Request | None:
+    def under_share(self, slots: int) -> Request | None:
         return None  # no tenants here: admission order is all there is
+
+    def contended(self, slots: int) -> bool:
+        return False
 
     def victim(self, running: list[Request], planned: list[Request]) -> Request:
         """Lowest priority first (largest number), newest among equals: cheapest to redo;
@@ -113,6 +126,7 @@ class FairQueue:
         self.max_tenants = max_tenants
         self.tenants: dict[str, Tenant] = {}
         self._backlogged: dict[str, Tenant] = {}  # tenants with waiting requests
+        self._running: dict[str, Tenant] = {}  # tenants with running requests
         self._idle: OrderedDict[str, None] = OrderedDict()  # neither waiting nor running, LRU
         self._size = 0
 
@@ -168,11 +182,28 @@ class FairQueue:
         t = min(self._backlogged.values(), key=lambda x: (x.counter, x.running))
         return t.waiting[0][2]
 
-    def newcomer(self) -> Request | None:
+    def under_share(self, slots: int) -> Request | None:
         req = self.peek()
-        if req is None or req.tenant_state.running:
+        if req is None or not self._running:
             return None
-        return req
+        behind = self._behind(slots)
+        return req if behind(req.tenant_state) else None
+
+    def contended(self, slots: int) -> bool:
+        if not self._running:
+            return False
+        behind = self._behind(slots)
+        return any(map(behind, self._running.values())) or any(
+            map(behind, self._backlogged.values())
+        )
+
+    def _behind(self, slots: int) -> Callable[[Tenant], bool]:
+        """Whether a tenant with work runs fewer requests than its weighted share of
+        ``slots`` and fewer per weight than the tenant running most (per weight)."""
+        waiting_only = sum(t.weight for t in self._backlogged.values() if not t.running)
+        per_weight = slots / (sum(t.weight for t in self._running.values()) + waiting_only)
+        top = max(t.running / t.weight for t in self._running.values())
+        return lambda t: t.running < t.weight * per_weight and t.running / t.weight < top
 
     def pop(self, head: Request) -> None:
         t = head.tenant_state
@@ -181,6 +212,7 @@ class FairQueue:
         if not t.waiting:
             del self._backlogged[t.name]
         t.running += 1
+        self._running[t.name] = t
         self._touch(t)
 
     def remove(self, req: Request) -> None:
@@ -200,6 +232,8 @@ class FairQueue:
         t = req.tenant_state
         if t is not None and t.running > 0:
             t.running -= 1
+            if not t.running:
+                del self._running[t.name]
             self._touch(t)
 
     def __len__(self) -> int:

@@ -26,6 +26,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     block_size: int
+    # Every token of a step costs the device about the same (a CPU), unlike a GPU that
+    # reads the weights once for a whole batch. Then a step that gives tenants under
+    # share their first token carries no decodes, and while such a tenant has work the
+    # steps are half the budget: its next request waits less for the step in flight.
+    compute_bound: bool = False
 
 
 @dataclass(slots=True)
@@ -55,6 +60,7 @@ class Scheduler:
         self._released_rows: list[int] = []  # sent with the next plan
         self.num_preemptions = 0
         self.wasted_tokens = 0
+        self._first_token_steps = [-8, -8]  # ids of the last two first-token steps
 
     # ----------------------------------------------------------------- intake
     def add_request(self, req: Request) -> None:
@@ -91,18 +97,17 @@ class Scheduler:
 
     # --------------------------------------------------------------- planning
     def schedule(self) -> StepPlan | None:
+        if self.waiting.under_share(self.config.max_num_seqs) is not None:
+            if self.next_step_id - self._first_token_steps[0] >= 4:  # at most 2 in 4 steps
+                plan = self._first_token_step()
+                if plan is not None:
+                    return plan
         budget = self.config.max_num_batched_tokens
+        if self.config.compute_bound and self.waiting.contended(self.config.max_num_seqs):
+            budget = max(1, budget // 2)
         chosen: list[tuple[Request, int]] = []
         new_rows: list[NewRow] = []
         preemptions_before = self.num_preemptions
-        waiting = self.waiting
-        # A tenant with nothing running heads a fair queue: keep it a share of this step's
-        # budget, so another tenant's long prefills cannot hold its first token back.
-        newcomer = waiting.newcomer()
-        reserve = 0
-        if newcomer is not None:
-            reserve = min(budget // 2, newcomer.num_tokens - newcomer.num_computed_tokens)
-            budget -= reserve
 
         # The hot loop: every running request, every step. Kept to plain arithmetic.
         bs = self.config.block_size
@@ -129,14 +134,51 @@ class Scheduler:
                 break
 
         # Admit nothing in a step that had to preempt: the pool is short already.
-        preempted = self.num_preemptions != preemptions_before
-        budget += reserve
-        seqs = self.config.max_num_seqs
-        while len(waiting) and not preempted and budget > 0:
-            if len(self.running) >= seqs:
-                # A full batch still takes a tenant that has nothing running (up to a
-                # quarter more): otherwise one tenant's burst holds every slot until it ends.
-                if len(self.running) >= seqs + seqs // 4 or waiting.newcomer() is None:
+        if self.num_preemptions == preemptions_before:
+            self._admit(chosen, new_rows, budget, first_tokens_only=False)
+        # A victim may have been chosen before it was preempted (when every request was).
+        chosen = [(r, n) for r, n in chosen if r.status is RequestStatus.RUNNING]
+        if not chosen:
+            return None  # released rows ride along with the next real plan
+        return self._build_plan(chosen, new_rows)
+
+    def _first_token_step(self) -> StepPlan | None:
+        """A step for the requests of tenants under their share of the batch, ahead of the
+        other tenants' prefill chunks: their first token is one step away, not behind a
+        burst's. Running decodes ride along unless the device is compute bound. At most two
+        of any four steps are such steps: the others' decodes keep at least half."""
+        chosen: list[tuple[Request, int]] = []
+        new_rows: list[NewRow] = []
+        budget = self._admit(chosen, new_rows, self.config.max_num_batched_tokens, True)
+        if not chosen:
+            return None
+        self._first_token_steps = [self._first_token_steps[1], self.next_step_id]
+        if not self.config.compute_bound:
+            admitted = {r.request_id for r, _ in chosen}
+            for req in self.running:
+                pending = req.num_tokens + req.num_inflight
+                if budget == 0 or req.request_id in admitted or pending >= req.token_limit:
+                    continue
+                if pending - req.num_computed_tokens == 1 and self.kv.allocate_slots(req, 1):
+                    chosen.append((req, 1))
+                    budget -= 1
+        return self._build_plan(chosen, new_rows)
+
+    def _admit(
+        self,
+        chosen: list[tuple[Request, int]],
+        new_rows: list[NewRow],
+        budget: int,
+        first_tokens_only: bool,
+    ) -> int:
+        """Move waiting requests into the running set while budget, slots and blocks allow;
+        returns the budget left. ``first_tokens_only``: just those of tenants under share."""
+        waiting, seqs = self.waiting, self.config.max_num_seqs
+        while len(waiting) and budget > 0:
+            if first_tokens_only or len(self.running) >= seqs:
+                # A full batch still takes a tenant under its share (up to a quarter more):
+                # otherwise one tenant's burst holds every slot until it ends.
+                if len(self.running) >= seqs + seqs // 4 or waiting.under_share(seqs) is None:
                     break
             req = waiting.peek()
             if req.num_computed_tokens == 0 and not req.block_ids:
@@ -156,12 +198,7 @@ class Scheduler:
             self.running.append(req)
             chosen.append((req, n))
             budget -= n
-
-        # A victim may have been chosen before it was preempted (when every request was).
-        chosen = [(r, n) for r, n in chosen if r.status is RequestStatus.RUNNING]
-        if not chosen:
-            return None  # released rows ride along with the next real plan
-        return self._build_plan(chosen, new_rows)
+        return budget
 
     def _make_room(self, req: Request, n: int, chosen: list[tuple[Request, int]]) -> bool:
         """Preempt until ``req`` gets its blocks; False if it cannot run this step."""
