@@ -499,8 +499,8 @@ class AsyncEngine:
         return result
 
     def _step_timeout(self, plan: StepPlan) -> float:
-        """Past this a step is hung: the configured floor, or 20x what this step's tokens
-        took per token lately (a long prefill chunk may run far longer than a decode)."""
+        """Past this a step is hung: the configured floor, or 20x what steps of its size
+        took lately (a long prefill chunk may run far longer than a decode)."""
         expected = self.step_times.predict(len(plan.input_ids)) or 0.0
         return max(self.config.device_step_timeout_s, 20.0 * expected)
 
