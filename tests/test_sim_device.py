@@ -153,3 +153,16 @@ def test_the_precise_clock_waits_at_least_until_the_deadline():
 def test_the_oracle_never_produces_an_avoided_id():
     tokens = oracle_tokens([5], 2000, 0, vocab_size=7, avoid=(2, 3))
     assert set(tokens) <= {0, 1, 4, 5, 6} and len(set(tokens)) == 5
+
+
+async def test_a_lone_stream_at_gpu_speed_gets_every_token_as_it_is_made(default_model: Path):
+    """Coalescing (the stream pacer) is for hundreds of readers; a few are woken every step."""
+    engine = AsyncEngine(model=str(default_model), device="sim", sim_step_ms=1.0, sim_token_us=0,
+                         sim_seq_us=0, sim_ctx_ns=0)  # fmt: skip
+    try:
+        for _ in range(3):  # long enough for a pacer that reacts to the loop's jitter
+            sizes = [len(d.token_ids) async for d in engine.generate(
+                [5] * 20, SamplingParams(max_tokens=64, ignore_eos=True)) if d.token_ids]  # fmt: skip
+            assert sizes == [1] * 64
+    finally:
+        await engine.aclose()

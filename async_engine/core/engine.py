@@ -73,6 +73,7 @@ def _lower_thread_priority() -> None:
 
 class AsyncEngine:
     SPIN_BELOW_S = 5e-3  # device steps shorter than this are awaited by polling
+    PACE_ABOVE_STREAMS = 4  # with this many streams or fewer, every step wakes its readers
     PLAN_LATE_ABOVE_S = 0.02  # steps longer than this have the next one planned near their end
     OFF_LOOP_CHARS = 16_384  # text prompts at least this long are tokenized off the loop
 
@@ -493,9 +494,12 @@ class AsyncEngine:
         # From when the engine could go on (waiting, result in) to when the loop let it.
         # Only GPU-speed steps are paced: beside a CPU step of 10 ms and more, the delay
         # is mostly the OS scheduling the loop's thread among busy device threads, and
-        # coalescing tokens would only lengthen inter-token latency.
+        # coalescing tokens would only lengthen inter-token latency. Nor are a few streams:
+        # the delay is then the loop's own wake-up jitter, which coalescing cannot remove,
+        # and a lone stream got its 64 tokens in 2 chunks at 1 ms steps.
         held_up = resumed - max(start, result.device_end)
-        self.pacer.observe(held_up if step < self.SPIN_BELOW_S else 0.0, step)
+        paced = step < self.SPIN_BELOW_S and self._num_streaming > self.PACE_ABOVE_STREAMS
+        self.pacer.observe(held_up if paced else 0.0, step)
         return result
 
     def _step_timeout(self, plan: StepPlan) -> float:
