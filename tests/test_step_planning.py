@@ -1,8 +1,8 @@
-"""When the next step is planned: near the end of a long step, at once beside a short one.
+"""When the next step is planned: after a long step ends, at once beside a short one.
 
 A request that arrives while a long (CPU-speed) step runs must ride the very next step,
-not the one after it: the overlap loop plans that step only shortly before the running
-one is expected to end. Steps are timed by size class (``StepTimes``).
+not the one after it: the overlap loop plans that step only once the running one has
+ended (or runs well past its expected time, timed by size class in ``StepTimes``).
 """
 
 from __future__ import annotations
