@@ -40,7 +40,7 @@ def traced_run(request, tiny_model):
     with LLM(model=str(tiny_model), dtype="float32", device="cpu", overlap=request.param) as llm:
         # Plan each step as soon as the one before is launched, however long steps take on
         # this machine (planning near the end of long steps is test_step_planning's).
-        llm.engine.PLAN_LATE_ABOVE_S = float("inf")
+        llm.engine.PLAN_AFTER_STEP_BELOW = 0.0
         tracer = StepTracer.attach(llm.engine)
         prompts = [[100 + i] * (5 + 3 * i) for i in range(4)]
         llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))

@@ -74,7 +74,10 @@ def _lower_thread_priority() -> None:
 class AsyncEngine:
     SPIN_BELOW_S = 5e-3  # device steps shorter than this are awaited by polling
     PACE_ABOVE_STREAMS = 4  # with this many streams or fewer, every step wakes its readers
-    PLAN_LATE_ABOVE_S = 0.02  # steps longer than this have the next one planned when they end
+    # Plan the next step only after the one in flight where the control plane's work per
+    # step is under this share of a step (a CPU's): the device waits that long, and a
+    # request arriving meanwhile rides the next step.
+    PLAN_AFTER_STEP_BELOW = 0.02
     OFF_LOOP_CHARS = 16_384  # text prompts at least this long are tokenized off the loop
 
     def __init__(
@@ -125,6 +128,8 @@ class AsyncEngine:
         self._step_s = 0.0  # moving average of the device's step time
         self.step_times = StepTimes()  # by step size: when to plan, when a step is hung
         self._step_started_at = 0.0  # when the step in flight began (about; control clock)
+        self._control_s: float | None = None  # moving average of control-plane work per step
+        self._control_acc = 0.0  # this step's so far
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
@@ -444,13 +449,14 @@ class AsyncEngine:
             self._apply(plan, await self._wait(*launched))
 
     async def _ended_before_planning(self, plan: StepPlan, future: asyncio.Future) -> bool:
-        """Where steps are long (a CPU's), plan the next step once the one in flight has
-        ended, or a quarter past its expected end if it runs over: a request arriving
-        meanwhile rides the next step, not the one after, a whole step sooner. The device
-        then waits for the control plane's ~1 ms per step (bench offline: 0.2 points more
-        idle on a CPU). True if the step ended first."""
+        """Where the control plane's work is a sliver of a step (a CPU's ~1 ms beside tens
+        of ms), plan the next step once the one in flight has ended, or a quarter past its
+        expected end if it runs over: a request arriving meanwhile rides the next step,
+        not the one after, a whole step sooner, for at most 2 % more device idle. True if
+        the step ended first."""
         expected = self.step_times.predict(len(plan.input_ids))
-        if expected is None or expected < self.PLAN_LATE_ABOVE_S:
+        control = self._control_s
+        if expected is None or control is None or control > self.PLAN_AFTER_STEP_BELOW * expected:
             return False  # GPU-speed steps: plan at once, the queue ahead is what keeps it busy
         delay = self._step_started_at + 1.25 * expected - time.monotonic()
         if delay <= 0:
@@ -490,6 +496,10 @@ class AsyncEngine:
         step = result.device_end - result.device_start
         self._step_s += 0.1 * (step - self._step_s)
         self.step_times.observe(len(plan.input_ids), step)
+        control, self._control_acc = self._control_acc, 0.0
+        if self._control_s is None:
+            self._control_s = control
+        self._control_s += 0.1 * (control - self._control_s)
         self._step_started_at = resumed  # the next step, queued behind this one, starts now
         self._phase("wait", plan.step_id, start, resumed)
         # From when the engine could go on (waiting, result in) to when the loop let it.
@@ -572,6 +582,8 @@ class AsyncEngine:
 
     def _phase(self, name: str, step_id: int, start: float, end: float) -> None:
         self.phase_clock.add(name, end - start)
+        if name != "wait":
+            self._control_acc += end - start
         if self.observer is not None:
             self.observer.on_phase(name, step_id, start, end)
 
