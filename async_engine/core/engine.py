@@ -14,9 +14,11 @@ and the engine serves again; past the restart budget it stops for good.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import gc
 import os
+import statistics
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -128,7 +130,9 @@ class AsyncEngine:
         self._step_s = 0.0  # moving average of the device's step time
         self.step_times = StepTimes()  # by step size: when to plan, when a step is hung
         self._step_started_at = 0.0  # when the step in flight began (about; control clock)
-        self._control_s: float | None = None  # moving average of control-plane work per step
+        # Control-plane work of recent steps; its median ignores a one-off slow step (the
+        # first detokenization, a garbage collection).
+        self._control_times: collections.deque[float] = collections.deque(maxlen=16)
         self._control_acc = 0.0  # this step's so far
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
@@ -455,8 +459,9 @@ class AsyncEngine:
         not the one after, a whole step sooner, for at most 2 % more device idle. True if
         the step ended first."""
         expected = self.step_times.predict(len(plan.input_ids))
-        control = self._control_s
-        if expected is None or control is None or control > self.PLAN_AFTER_STEP_BELOW * expected:
+        if expected is None or not self._control_times:
+            return False
+        if statistics.median(self._control_times) > self.PLAN_AFTER_STEP_BELOW * expected:
             return False  # GPU-speed steps: plan at once, the queue ahead is what keeps it busy
         delay = self._step_started_at + 1.25 * expected - time.monotonic()
         if delay <= 0:
@@ -496,10 +501,8 @@ class AsyncEngine:
         step = result.device_end - result.device_start
         self._step_s += 0.1 * (step - self._step_s)
         self.step_times.observe(len(plan.input_ids), step)
-        control, self._control_acc = self._control_acc, 0.0
-        if self._control_s is None:
-            self._control_s = control
-        self._control_s += 0.1 * (control - self._control_s)
+        self._control_times.append(self._control_acc)
+        self._control_acc = 0.0
         self._step_started_at = resumed  # the next step, queued behind this one, starts now
         self._phase("wait", plan.step_id, start, resumed)
         # From when the engine could go on (waiting, result in) to when the loop let it.
