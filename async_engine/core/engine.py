@@ -75,7 +75,6 @@ def _lower_thread_priority() -> None:
 
 class AsyncEngine:
     SPIN_BELOW_S = 5e-3  # device steps shorter than this are awaited by polling
-    PACE_ABOVE_STREAMS = 4  # with this many streams or fewer, every step wakes its readers
     # Plan the next step only after the one in flight where the control plane's work per
     # step is under this share of a step (a CPU's): the device waits that long, and a
     # request arriving meanwhile rides the next step.
@@ -508,12 +507,9 @@ class AsyncEngine:
         # From when the engine could go on (waiting, result in) to when the loop let it.
         # Only GPU-speed steps are paced: beside a CPU step of 10 ms and more, the delay
         # is mostly the OS scheduling the loop's thread among busy device threads, and
-        # coalescing tokens would only lengthen inter-token latency. Nor are a few streams:
-        # the delay is then the loop's own wake-up jitter, which coalescing cannot remove,
-        # and a lone stream got its 64 tokens in 2 chunks at 1 ms steps.
+        # coalescing tokens would only lengthen inter-token latency.
         held_up = resumed - max(start, result.device_end)
-        paced = step < self.SPIN_BELOW_S and self._num_streaming > self.PACE_ABOVE_STREAMS
-        self.pacer.observe(held_up if paced else 0.0, step)
+        self.pacer.observe(held_up if step < self.SPIN_BELOW_S else 0.0, step, self._num_streaming)
         return result
 
     def _step_timeout(self, plan: StepPlan) -> float:

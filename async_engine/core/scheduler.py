@@ -97,11 +97,10 @@ class Scheduler:
 
     # --------------------------------------------------------------- planning
     def schedule(self) -> StepPlan | None:
-        if self.waiting.under_share(self.config.max_num_seqs) is not None:
-            if self.next_step_id - self._first_token_steps[0] >= 4:  # at most 2 in 4 steps
-                plan = self._first_token_step()
-                if plan is not None:
-                    return plan
+        if self.next_step_id - self._first_token_steps[0] >= 4:  # at most 2 in 4 steps
+            plan = self._first_token_step()  # None unless a tenant under share waits
+            if plan is not None:
+                return plan
         budget = self.config.max_num_batched_tokens
         if self.config.compute_bound and self.waiting.contended(self.config.max_num_seqs):
             budget = max(1, budget // 2)
@@ -154,10 +153,11 @@ class Scheduler:
             return None
         self._first_token_steps = [self._first_token_steps[1], self.next_step_id]
         if not self.config.compute_bound:
-            admitted = {r.request_id for r, _ in chosen}
-            for req in self.running:
+            for req in self.running[: len(self.running) - len(chosen)]:  # not those admitted
+                if budget == 0:
+                    break
                 pending = req.num_tokens + req.num_inflight
-                if budget == 0 or req.request_id in admitted or pending >= req.token_limit:
+                if pending >= req.token_limit:
                     continue
                 if pending - req.num_computed_tokens == 1 and self.kv.allocate_slots(req, 1):
                     chosen.append((req, 1))

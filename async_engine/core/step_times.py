@@ -8,30 +8,29 @@ interpolated between the nearest classes it has seen.
 
 from __future__ import annotations
 
-import bisect
-
 
 class StepTimes:
     ALPHA = 0.2  # weight of the newest step in its class's average
 
     def __init__(self) -> None:
         self._classes: dict[int, list[float]] = {}  # size class -> [mean tokens, mean s]
+        self._points: list[list[float]] = []  # the same, by size (a class keeps its range)
 
     def observe(self, tokens: int, seconds: float) -> None:
         point = self._classes.get(tokens.bit_length())
         if point is None:
             self._classes[tokens.bit_length()] = [float(tokens), seconds]
+            self._points = [self._classes[k] for k in sorted(self._classes)]
             return
         point[0] += self.ALPHA * (tokens - point[0])
         point[1] += self.ALPHA * (seconds - point[1])
 
     def predict(self, tokens: int) -> float | None:
         """Expected seconds of a step of ``tokens``; None before any step was seen."""
-        if not self._classes:
+        points = self._points
+        if not points:
             return None
-        points = sorted(self._classes.values())
-        xs = [p[0] for p in points]
-        i = bisect.bisect_left(xs, tokens)
+        i = next((i for i, (x, _) in enumerate(points) if x >= tokens), len(points))
         if i == 0 or i == len(points):
             # Outside the sizes seen: in proportion to the nearest. Too short a guess only
             # plans the next step early, as for GPU-speed steps; never later than it should.
