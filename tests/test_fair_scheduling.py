@@ -65,6 +65,14 @@ def test_fair_admits_the_tenant_with_less_service_before_a_bursts_backlog():
     assert admitted_order(sched)[:2] == ["trickle", "burst"]
 
 
+def test_one_steps_admissions_follow_the_counters_as_each_is_charged():
+    sched = scheduler(seqs=8, budget=32)
+    for tenant in "aaaabbbb":
+        submit(sched, tenant, prompt=8, distinct=True)
+    plan = sched.schedule()
+    assert [r.tenant for r in plan.requests] == ["a", "b", "a", "b"]
+
+
 def test_fcfs_makes_the_late_tenant_wait_behind_the_whole_burst():
     sched = scheduler("fcfs", seqs=1)
     for _ in range(6):
@@ -135,9 +143,9 @@ def test_preemption_takes_from_the_tenant_furthest_over_its_share():
     assert light.num_preemptions == 0 and sum(r.num_preemptions for r in hog) >= 1
 
 
-def burst_in_prefill(**kwargs) -> Scheduler:
-    """Tenant a's 8 long prompts fill the batch and are mid-prefill; some decode already."""
-    sched = scheduler(seqs=8, budget=64, **kwargs)
+def burst_in_prefill(seqs: int = 8, **kwargs) -> Scheduler:
+    """Tenant a's 8 long prompts fill the batch (of 8) and are mid-prefill; some decode."""
+    sched = scheduler(seqs=seqs, budget=64, **kwargs)
     for _ in range(8):
         submit(sched, "a", prompt=40, out=50, distinct=True)
     for _ in range(3):
@@ -165,7 +173,76 @@ def test_on_a_compute_bound_device_that_step_carries_the_late_tenant_alone():
     assert planned(sched.schedule()) == {late.request_id: 10}
 
 
-def test_first_token_steps_are_at_most_two_in_any_four():
+def test_a_tenant_running_as_many_as_a_burst_in_prefill_still_goes_before_its_next_chunk():
+    sched = scheduler(seqs=8, budget=64)
+    for _ in range(6):  # more than a's share of 4 slots
+        submit(sched, "a", prompt=400, out=50, distinct=True)  # one prompt fills several steps
+    step(sched)
+    submit(sched, "b", prompt=4, out=50, distinct=True)
+    step(sched)  # b's first-token step
+    step(sched)  # a's chunk, b's decode
+    assert sorted(r.tenant for r in sched.running) == ["a", "b"]  # one each: even by slots
+    late = submit(sched, "b", prompt=10, out=4, distinct=True)
+    tokens = planned(sched.schedule())
+    assert tokens.pop(late.request_id) == 10
+    assert all(n == 1 for n in tokens.values())  # no chunk of a's prompt in its step
+
+
+def test_a_tenant_behind_goes_before_the_bursts_chunk_even_in_a_step_that_cannot_be_its_own():
+    sched = scheduler(seqs=16, budget=64)
+    for _ in range(16):
+        submit(sched, "a", prompt=200, out=50, distinct=True)
+    step(sched)
+    submit(sched, "b", prompt=4, out=50, distinct=True)
+    step(sched)  # b's first-token step: the next one may not be another
+    late = submit(sched, "b", prompt=10, out=4, distinct=True)
+    tokens = planned(sched.schedule())
+    assert tokens[late.request_id] == 10
+    assert any(n > 1 for rid, n in tokens.items() if rid != late.request_id)  # a's chunk too
+
+
+def test_a_tenant_behind_is_admitted_before_the_burst_has_caught_up_with_its_counter():
+    sched = burst_in_prefill(seqs=16)
+    queue = sched.waiting
+    first = submit(sched, "b", prompt=30, out=50, distinct=True)
+    step(sched)  # b's first-token step, charged its prompt
+    assert queue.tenants["b"].counter > queue.tenants["a"].counter
+    late = submit(sched, "b", prompt=10, out=4, distinct=True)
+    assert queue.peek().tenant == "a"  # a's next admission comes first by counters...
+    assert (
+        queue.next_behind(16, sched.prefilling_tenants(), light=True) is late
+    )  # ...not a's next chunk
+    assert first.status is RequestStatus.RUNNING
+
+
+def test_a_late_tenant_keeps_decoding_while_the_burst_ahead_of_it_is_chunked():
+    sched = scheduler(seqs=8, budget=64)
+    for _ in range(6):
+        submit(sched, "a", prompt=400, out=50, distinct=True)
+    step(sched)
+    late = submit(sched, "b", prompt=4, out=50, distinct=True)
+    step(sched)  # b's first-token step puts it in the batch behind a's first prompt
+    for _ in range(5):
+        plan = sched.schedule()
+        sched.update_from_output(plan, [7] * int(plan.sample.sum()))
+        tokens = planned(plan)
+        assert tokens[late.request_id] == 1  # decodes take the budget before chunks
+        assert sum(tokens.values()) == 64
+
+
+def test_a_light_tenants_first_token_step_takes_all_its_waiting_and_none_of_the_burst():
+    sched = scheduler(seqs=8, budget=64)
+    for _ in range(6):  # more than a's share of 4 slots
+        submit(sched, "a", prompt=64, out=50, distinct=True)
+    step(sched)  # a's first prompt, whole: a runs one request and has none mid-prefill
+    late = [submit(sched, "b", prompt=4, out=50, distinct=True) for _ in range(2)]
+    tokens = planned(sched.schedule())
+    assert tokens == {r.request_id: 4 for r in late} | {
+        r.request_id: 1 for r in sched.running if r.tenant == "a"
+    }  # a, now running fewer than b, is no light tenant: its next prompt waits
+
+
+def test_first_token_steps_are_never_two_in_a_row():
     sched = burst_in_prefill(compute_bound=True)
     kinds = []
     for _ in range(12):
@@ -173,8 +250,8 @@ def test_first_token_steps_are_at_most_two_in_any_four():
         plan = sched.schedule()
         kinds.append({r.tenant for r in plan.requests} == {"b"})
         sched.update_from_output(plan, [7] * int(plan.sample.sum()))
-    assert all(sum(kinds[i : i + 4]) <= 2 for i in range(len(kinds) - 3))
-    assert sum(kinds) >= 5
+    assert not any(kinds[i] and kinds[i + 1] for i in range(len(kinds) - 1))
+    assert sum(kinds) == 6  # every other step
 
 
 def test_tenants_sharing_the_batch_evenly_get_no_first_token_steps():
@@ -184,7 +261,8 @@ def test_tenants_sharing_the_batch_evenly_get_no_first_token_steps():
         submit(sched, "b", prompt=40, out=50, distinct=True)
     step(sched)
     extra = submit(sched, "b", prompt=10, out=4, distinct=True)
-    assert sched.waiting.under_share(8) is None  # b runs as many as a
+    behind = sched.waiting.next_behind(8, sched.prefilling_tenants(), light=False)
+    assert behind is None  # b runs as many as a
     tokens = planned(sched.schedule())
     assert tokens.get(extra.request_id, 0) < sum(tokens.values())
 
@@ -195,7 +273,10 @@ def test_a_single_tenant_is_never_behind():
         submit(sched, "a", prompt=40, out=50, distinct=True)
     step(sched)
     submit(sched, "a", prompt=10, out=4, distinct=True)
-    assert sched.waiting.under_share(8) is None and not sched.waiting.contended(8)
+    prefilling = sched.prefilling_tenants()
+    assert prefilling == {"a"}  # its own prefill does not put it behind
+    assert sched.waiting.next_behind(8, prefilling, light=False) is None
+    assert not sched.waiting.contended(8, prefilling)
 
 
 def test_a_full_batch_takes_a_tenant_under_its_share_up_to_a_quarter_more():
@@ -223,7 +304,7 @@ def test_a_compute_bound_device_halves_its_steps_while_a_tenant_is_behind():
     submit(sched, "b", prompt=4, out=40, distinct=True)
     for _ in range(3):
         step(sched)  # b's first-token step, then b decodes beside a's prefill
-    assert sched.waiting.contended(8)
+    assert sched.waiting.contended(8, sched.prefilling_tenants())
     assert sum(planned(sched.schedule()).values()) <= 32
 
 

@@ -11,8 +11,11 @@ nobody waiting, to the largest running one), so nobody banks credit by idling. I
 tenants' entries are evicted past ``max_tenants``: a lifted newcomer loses nothing.
 
 Counters order admission; they do not say how soon an admitted request runs. So the fair
-queue also tells the scheduler when a tenant is behind in the batch (``under_share``,
-``contended``): the scheduler then gives it a step of its own for its first token.
+queue also tells the scheduler when a tenant is behind in the batch (``next_behind``,
+``contended``): under its share of the slots while another tenant holds more, or, asking
+for no more than its share (light), while a tenant asking for more has prompts to
+compute, which would take the step. The scheduler then gives a light tenant's requests a
+step of their own for their first token, and lets a full batch take any tenant behind.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class WaitQueue(Protocol):
     def push(self, req: Request) -> None: ...
     def peek(self) -> Request | None: ...
     def pop(self, head: Request) -> None:
-        """Take ``head``, what ``peek`` just returned, off the queue (it is admitted)."""
+        """Take ``head``, what ``peek`` or ``next_behind`` just returned, off the queue."""
         ...
 
     def remove(self, req: Request) -> None: ...
@@ -48,13 +51,16 @@ class WaitQueue(Protocol):
         ...
 
     def stopped_running(self, req: Request) -> None: ...
-    def under_share(self, slots: int) -> Request | None:
-        """The head request, if its tenant runs fewer than its weighted share of ``slots``
-        and fewer (per weight) than another tenant: it is behind in the batch."""
+    def next_behind(self, slots: int, prefilling: set[str], light: bool) -> Request | None:
+        """The next request, in counter order, of a tenant behind in the batch: none of its
+        prompts mid-prefill (``prefilling``: the names of tenants with one), it runs fewer
+        than its weighted share of ``slots``, and another tenant runs more (per weight).
+        A light tenant, one asking for no more than its share, is behind also while a
+        tenant asking for more has prompts to compute. ``light``: light tenants only."""
         ...
 
-    def contended(self, slots: int) -> bool:
-        """Whether any tenant with work is behind in the batch (as in ``under_share``)."""
+    def contended(self, slots: int, prefilling: set[str]) -> bool:
+        """Whether a light tenant with work is behind in the batch (see ``next_behind``)."""
         ...
 
 
@@ -86,10 +92,10 @@ class OrderedQueue:
     def stopped_running(self, req: Request) -> None:
         pass
 
-    def under_share(self, slots: int) -> Request | None:
+    def next_behind(self, slots: int, prefilling: set[str], light: bool) -> Request | None:
         return None  # no tenants here: admission order is all there is
 
-    def contended(self, slots: int) -> bool:
+    def contended(self, slots: int, prefilling: set[str]) -> bool:
         return False
 
     def victim(self, running: list[Request], planned: list[Request]) -> Request:
@@ -178,32 +184,59 @@ class FairQueue:
     def peek(self) -> Request | None:
         if not self._backlogged:
             return None
-        # Ties (a tenant lifted to another's counter) go to the one with less running.
-        t = min(self._backlogged.values(), key=lambda x: (x.counter, x.running))
-        return t.waiting[0][2]
+        return min(self._backlogged.values(), key=self._order).waiting[0][2]
 
-    def under_share(self, slots: int) -> Request | None:
-        req = self.peek()
-        if req is None or not self._running:
+    @staticmethod
+    def _order(t: Tenant) -> tuple[float, float, int]:
+        """Smallest counter first; ties (a tenant lifted to another's counter) go to the
+        lighter tenant: less running per weight, then fewer waiting."""
+        return t.counter, t.running / t.weight, len(t.waiting)
+
+    def next_behind(self, slots: int, prefilling: set[str], light: bool) -> Request | None:
+        if not self._backlogged or not self._running:
             return None
-        behind = self._behind(slots)
-        return req if behind(req.tenant_state) else None
+        # Not only the head: a tenant whose counter a burst's last chunk has not yet passed
+        # still goes before that burst's next chunk (which is no admission: counters order
+        # admissions). Being behind bounds what it can take to its share of the slots.
+        behind = self._behind(slots, prefilling, light)
+        tenants = [t for t in self._backlogged.values() if behind(t)]
+        if not tenants:
+            return None
+        return min(tenants, key=self._order).waiting[0][2]
 
-    def contended(self, slots: int) -> bool:
+    def contended(self, slots: int, prefilling: set[str]) -> bool:
         if not self._running:
             return False
-        behind = self._behind(slots)
+        behind = self._behind(slots, prefilling, light=True)
         return any(map(behind, self._running.values())) or any(
             map(behind, self._backlogged.values())
         )
 
-    def _behind(self, slots: int) -> Callable[[Tenant], bool]:
-        """Whether a tenant with work runs fewer requests than its weighted share of
-        ``slots`` and fewer per weight than the tenant running most (per weight)."""
+    def _behind(self, slots: int, prefilling: set[str], light: bool) -> Callable[[Tenant], bool]:
+        """See ``next_behind``. A burst admits a request per prefill chunk, so until its
+        prompts are computed it may run no more than a light tenant: counting slots alone,
+        the light tenant's prompts would each wait behind a chunk of the burst's."""
         waiting_only = sum(t.weight for t in self._backlogged.values() if not t.running)
         per_weight = slots / (sum(t.weight for t in self._running.values()) + waiting_only)
         top = max(t.running / t.weight for t in self._running.values())
-        return lambda t: t.running < t.weight * per_weight and t.running / t.weight < top
+
+        def asks_over_share(t: Tenant | None) -> bool:
+            return t is not None and t.running + len(t.waiting) > t.weight * per_weight
+
+        burst = any(map(asks_over_share, self._backlogged.values())) or any(
+            map(asks_over_share, map(self.tenants.get, prefilling))
+        )
+
+        def behind(t: Tenant) -> bool:
+            share = t.weight * per_weight
+            if t.running >= share or t.name in prefilling:
+                return False
+            runs_less = t.running / t.weight < top
+            if t.running + len(t.waiting) <= share:  # a light tenant
+                return runs_less or burst
+            return runs_less and not light
+
+        return behind
 
     def pop(self, head: Request) -> None:
         t = head.tenant_state

@@ -2,7 +2,8 @@
 
 No prefill/decode phases: every request's ``num_computed_tokens`` catches up with its
 token count under a per-step token budget, so chunked prefill and mixed batches need no
-special case. Blocks of a request that ends or is preempted go into a ledger and return
+special case. The budget goes to running decodes first, then to prompt chunks, then to
+admissions. Blocks of a request that ends or is preempted go into a ledger and return
 to the pool only once every launched step that uses them has completed
 (``step_completed``), because under overlap the next step may already be writing them.
 """
@@ -60,7 +61,7 @@ class Scheduler:
         self._released_rows: list[int] = []  # sent with the next plan
         self.num_preemptions = 0
         self.wasted_tokens = 0
-        self._first_token_steps = [-8, -8]  # ids of the last two first-token steps
+        self._first_token_step_id = -2  # the last first-token step's id
 
     # ----------------------------------------------------------------- intake
     def add_request(self, req: Request) -> None:
@@ -97,21 +98,28 @@ class Scheduler:
 
     # --------------------------------------------------------------- planning
     def schedule(self) -> StepPlan | None:
-        if self.next_step_id - self._first_token_steps[0] >= 4:  # at most 2 in 4 steps
-            plan = self._first_token_step()  # None unless a tenant under share waits
+        prefilling = self.prefilling_tenants()
+        if self.next_step_id - self._first_token_step_id >= 2:  # never two in a row
+            plan = self._first_token_step(prefilling)  # None unless a tenant behind waits
             if plan is not None:
                 return plan
         budget = self.config.max_num_batched_tokens
-        if self.config.compute_bound and self.waiting.contended(self.config.max_num_seqs):
+        if self.config.compute_bound and self.waiting.contended(
+            self.config.max_num_seqs, prefilling
+        ):
             budget = max(1, budget // 2)
         chosen: list[tuple[Request, int]] = []
         new_rows: list[NewRow] = []
         preemptions_before = self.num_preemptions
 
         # The hot loop: every running request, every step. Kept to plain arithmetic.
+        # Decodes first, prompt chunks with what is left: a long prompt admitted earlier
+        # must not take a whole step's budget from the decodes behind it in the list.
         bs = self.config.block_size
         running = RequestStatus.RUNNING
         choose = chosen.append
+        charges = self.waiting.charges
+        chunks: list[Request] = []
         for req in list(self.running):
             if req.status is not running:
                 continue  # preempted earlier in this loop
@@ -120,38 +128,65 @@ class Scheduler:
                 continue  # its last token is in flight: it ends when that is applied
             computed = req.num_computed_tokens
             n = pending - computed
-            if n > budget:
-                n = budget
-            if n <= 0:
+            if n != 1:
+                if n > 1:
+                    chunks.append(req)
                 continue
+            if (computed + bs) // bs > len(req.block_ids):
+                if not self.kv.allocate_slots(req, 1) and not self._make_room(req, 1, chosen):
+                    continue
+            choose((req, 1))
+            if charges and computed < len(req.prompt_ids):
+                self._charge_prompt(req, 1)  # a prompt's last token, left by a chunk
+            budget -= 1
+            if budget == 0:
+                break
+        # A tenant behind in the batch goes before the others' prompt chunks here too: one
+        # that arrived while a first-token step ran does not wait for the next such step.
+        if chunks and self.num_preemptions == preemptions_before:
+            budget = self._admit(chosen, new_rows, budget, prefilling, first_tokens_only=True)
+        for req in chunks:
+            if budget == 0:
+                break
+            if req.status is not running:
+                continue
+            computed = req.num_computed_tokens
+            n = min(req.num_tokens + req.num_inflight - computed, budget)
             if (computed + n + bs - 1) // bs > len(req.block_ids):
                 if not self.kv.allocate_slots(req, n) and not self._make_room(req, n, chosen):
                     continue
             choose((req, n))
+            if charges:
+                self._charge_prompt(req, n)
             budget -= n
-            if budget == 0:
-                break
 
         # Admit nothing in a step that had to preempt: the pool is short already.
         if self.num_preemptions == preemptions_before:
-            self._admit(chosen, new_rows, budget, first_tokens_only=False)
+            self._admit(chosen, new_rows, budget, prefilling, first_tokens_only=False)
         # A victim may have been chosen before it was preempted (when every request was).
         chosen = [(r, n) for r, n in chosen if r.status is RequestStatus.RUNNING]
         if not chosen:
             return None  # released rows ride along with the next real plan
         return self._build_plan(chosen, new_rows)
 
-    def _first_token_step(self) -> StepPlan | None:
-        """A step for the requests of tenants under their share of the batch, ahead of the
-        other tenants' prefill chunks: their first token is one step away, not behind a
-        burst's. Running decodes ride along unless the device is compute bound. At most two
-        of any four steps are such steps: the others' decodes keep at least half."""
+    def prefilling_tenants(self) -> set[str]:
+        """Tenants with a running prompt not yet planned to its end (a fair queue's concern)."""
+        if not self.waiting.charges:
+            return set()
+        return {r.tenant for r in self.running if r.num_computed_tokens < len(r.prompt_ids)}
+
+    def _first_token_step(self, prefilling: set[str]) -> StepPlan | None:
+        """A step for the requests of tenants behind in the batch, ahead of the other
+        tenants' prefill chunks: their first token is one step away, not behind a burst's.
+        Running decodes ride along unless the device is compute bound. Never two such steps
+        in a row: the others' prefill and (compute bound) decodes keep every other step."""
         chosen: list[tuple[Request, int]] = []
         new_rows: list[NewRow] = []
-        budget = self._admit(chosen, new_rows, self.config.max_num_batched_tokens, True)
+        budget = self._admit(chosen, new_rows, self.config.max_num_batched_tokens, prefilling,
+                             first_tokens_only=True)  # fmt: skip
         if not chosen:
             return None
-        self._first_token_steps = [self._first_token_steps[1], self.next_step_id]
+        self._first_token_step_id = self.next_step_id
         if not self.config.compute_bound:
             for req in self.running[: len(self.running) - len(chosen)]:  # not those admitted
                 if budget == 0:
@@ -161,6 +196,7 @@ class Scheduler:
                     continue
                 if pending - req.num_computed_tokens == 1 and self.kv.allocate_slots(req, 1):
                     chosen.append((req, 1))
+                    self._charge_prompt(req, 1)  # charges nothing for a decode
                     budget -= 1
         return self._build_plan(chosen, new_rows)
 
@@ -169,18 +205,23 @@ class Scheduler:
         chosen: list[tuple[Request, int]],
         new_rows: list[NewRow],
         budget: int,
+        prefilling: set[str],
         first_tokens_only: bool,
     ) -> int:
         """Move waiting requests into the running set while budget, slots and blocks allow;
-        returns the budget left. ``first_tokens_only``: just those of tenants under share."""
+        returns the budget left. ``first_tokens_only``: just those of tenants behind."""
         waiting, seqs = self.waiting, self.config.max_num_seqs
         while len(waiting) and budget > 0:
             if first_tokens_only or len(self.running) >= seqs:
-                # A full batch still takes a tenant under its share (up to a quarter more):
+                # A full batch still takes a tenant behind (up to a quarter more slots):
                 # otherwise one tenant's burst holds every slot until it ends.
-                if len(self.running) >= seqs + seqs // 4 or waiting.under_share(seqs) is None:
+                if len(self.running) >= seqs + seqs // 4:
                     break
-            req = waiting.peek()
+                req = waiting.next_behind(seqs, prefilling, light=first_tokens_only)
+                if req is None:
+                    break
+            else:
+                req = waiting.peek()
             if req.num_computed_tokens == 0 and not req.block_ids:
                 self.kv.lookup_prefix(req)
             n = self._num_new_tokens(req, budget)
@@ -197,8 +238,19 @@ class Scheduler:
                 new_rows.append(self._new_row(req))
             self.running.append(req)
             chosen.append((req, n))
+            if waiting.charges:
+                self._charge_prompt(req, n)  # at once: the next admission's order depends on it
             budget -= n
         return budget
+
+    @staticmethod
+    def _charge_prompt(req: Request, n: int) -> None:
+        """Count the prompt tokens among the ``n`` planned from ``num_computed_tokens`` on
+        as service of the request's tenant (a fair queue's counter)."""
+        start, prompt = req.num_computed_tokens, len(req.prompt_ids)
+        if start < prompt:
+            tenant = req.tenant_state
+            tenant.counter += (min(start + n, prompt) - start) * tenant.prompt_cost
 
     def _make_room(self, req: Request, n: int, chosen: list[tuple[Request, int]]) -> bool:
         """Preempt until ``req`` gets its blocks; False if it cannot run this step."""
@@ -232,7 +284,6 @@ class Scheduler:
         # Bound methods held in locals: this loop runs for every request on every step.
         add_row, add_start, add_len = rows.append, starts.append, query_lens.append
         add_sample, add_input, add_request = sample.append, inputs.append, requests.append
-        charge = self.waiting.charges  # the fair queue counts each tenant's service
         for req, n in chosen:
             start = req.num_computed_tokens
             known = req.num_tokens
@@ -242,9 +293,6 @@ class Scheduler:
             add_len(n)
             add_request(req)
             end = start + n
-            if charge and start < len(req.prompt_ids):
-                tenant = req.tenant_state
-                tenant.counter += (min(end, len(req.prompt_ids)) - start) * tenant.prompt_cost
             if start >= known:  # steady decode: the token was sampled by a step in flight
                 if n == 1:
                     add_input(PLACEHOLDER)
