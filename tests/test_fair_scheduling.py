@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from async_engine.core.queues import OUTPUT_PRICE, PROMPT_PRICE, FairQueue, make_queue
 from async_engine.core.request import Request, RequestStatus
-from async_engine.core.scheduler import Scheduler, SchedulerConfig
+from async_engine.core.scheduler import TRICKLE_STEPS, Scheduler, SchedulerConfig
 from blockalloc import BlockPool
 from sampler.params import SamplingParams
 
@@ -306,6 +306,22 @@ def test_a_compute_bound_device_halves_its_steps_while_a_tenant_is_behind():
         step(sched)  # b's first-token step, then b decodes beside a's prefill
     assert sched.waiting.contended(8, sched.prefilling_tenants())
     assert sum(planned(sched.schedule()).values()) <= 32
+
+
+def test_the_halving_ends_once_the_light_tenant_stops_sending():
+    sched = scheduler(seqs=8, budget=64, compute_bound=True)
+    for _ in range(6):
+        submit(sched, "a", prompt=400, out=50, distinct=True)
+    step(sched)
+    submit(sched, "b", prompt=4, out=100, distinct=True)
+    step(sched)  # b's first-token step; b then decodes, still behind, and sends no more
+    sizes = []
+    for _ in range(TRICKLE_STEPS + 4):
+        plan = sched.schedule()
+        sizes.append(sum(planned(plan).values()))
+        sched.update_from_output(plan, [7] * int(plan.sample.sum()))
+    assert sched.waiting.contended(8, sched.prefilling_tenants())
+    assert sizes[0] <= 32 and sizes[-1] == 64
 
 
 def test_idle_tenants_are_evicted_past_the_table_limit_and_busy_ones_kept():

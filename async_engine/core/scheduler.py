@@ -28,10 +28,16 @@ class SchedulerConfig:
     max_model_len: int
     block_size: int
     # Every token of a step costs the device about the same (a CPU), unlike a GPU that
-    # reads the weights once for a whole batch. Then a step that gives tenants under
-    # share their first token carries no decodes, and while such a tenant has work the
-    # steps are half the budget: its next request waits less for the step in flight.
+    # reads the weights once for a whole batch. Then a step that gives light tenants
+    # their first token carries no decodes, and while such a tenant, served by one
+    # lately, is behind, the steps are half the budget: its next request waits less for
+    # the step in flight.
     compute_bound: bool = False
+
+
+# A light tenant given a first-token step within this many steps is a trickle that
+# keeps arriving (worth halving the steps for); past it, one that only drains.
+TRICKLE_STEPS = 8
 
 
 @dataclass(slots=True)
@@ -104,8 +110,10 @@ class Scheduler:
             if plan is not None:
                 return plan
         budget = self.config.max_num_batched_tokens
-        if self.config.compute_bound and self.waiting.contended(
-            self.config.max_num_seqs, prefilling
+        if (
+            self.config.compute_bound
+            and self.next_step_id - self._first_token_step_id <= TRICKLE_STEPS
+            and self.waiting.contended(self.config.max_num_seqs, prefilling)
         ):
             budget = max(1, budget // 2)
         chosen: list[tuple[Request, int]] = []
