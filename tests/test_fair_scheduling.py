@@ -153,6 +153,16 @@ def burst_in_prefill(seqs: int = 8, **kwargs) -> Scheduler:
     return sched
 
 
+def long_prompts_in_prefill(**kwargs) -> Scheduler:
+    """Tenant a asks for 6 of 8 slots (its share is 4) with prompts that each take several
+    steps; after one step its first prompt is mid-prefill and the rest wait."""
+    sched = scheduler(seqs=8, budget=64, **kwargs)
+    for _ in range(6):
+        submit(sched, "a", prompt=400, out=50, distinct=True)
+    step(sched)
+    return sched
+
+
 def planned(plan) -> dict[str, int]:
     """Tokens per request id in a plan."""
     return {r.request_id: n for r, n in zip(plan.requests, plan.query_lens.tolist(), strict=True)}
@@ -174,10 +184,7 @@ def test_on_a_compute_bound_device_that_step_carries_the_late_tenant_alone():
 
 
 def test_a_tenant_running_as_many_as_a_burst_in_prefill_still_goes_before_its_next_chunk():
-    sched = scheduler(seqs=8, budget=64)
-    for _ in range(6):  # more than a's share of 4 slots
-        submit(sched, "a", prompt=400, out=50, distinct=True)  # one prompt fills several steps
-    step(sched)
+    sched = long_prompts_in_prefill()
     submit(sched, "b", prompt=4, out=50, distinct=True)
     step(sched)  # b's first-token step
     step(sched)  # a's chunk, b's decode
@@ -209,17 +216,13 @@ def test_a_tenant_behind_is_admitted_before_the_burst_has_caught_up_with_its_cou
     assert queue.tenants["b"].counter > queue.tenants["a"].counter
     late = submit(sched, "b", prompt=10, out=4, distinct=True)
     assert queue.peek().tenant == "a"  # a's next admission comes first by counters...
-    assert (
-        queue.next_behind(16, sched.prefilling_tenants(), light=True) is late
-    )  # ...not a's next chunk
+    behind = queue.next_behind(16, sched.prefilling_tenants(), light=True)
+    assert behind is late  # ...not a's next chunk
     assert first.status is RequestStatus.RUNNING
 
 
 def test_a_late_tenant_keeps_decoding_while_the_burst_ahead_of_it_is_chunked():
-    sched = scheduler(seqs=8, budget=64)
-    for _ in range(6):
-        submit(sched, "a", prompt=400, out=50, distinct=True)
-    step(sched)
+    sched = long_prompts_in_prefill()
     late = submit(sched, "b", prompt=4, out=50, distinct=True)
     step(sched)  # b's first-token step puts it in the batch behind a's first prompt
     for _ in range(5):
@@ -309,10 +312,7 @@ def test_a_compute_bound_device_halves_its_steps_while_a_tenant_is_behind():
 
 
 def test_the_halving_ends_once_the_light_tenant_stops_sending():
-    sched = scheduler(seqs=8, budget=64, compute_bound=True)
-    for _ in range(6):
-        submit(sched, "a", prompt=400, out=50, distinct=True)
-    step(sched)
+    sched = long_prompts_in_prefill(compute_bound=True)
     submit(sched, "b", prompt=4, out=100, distinct=True)
     step(sched)  # b's first-token step; b then decodes, still behind, and sends no more
     sizes = []

@@ -178,8 +178,9 @@ class Scheduler:
         return self._build_plan(chosen, new_rows)
 
     def prefilling_tenants(self) -> set[str]:
-        """Tenants with a running prompt not yet planned to its end (a fair queue's concern)."""
-        if not self.waiting.charges:
+        """Tenants with a running prompt not yet planned to its end (a fair queue's concern:
+        only admissions, and a compute-bound device's halving, ask)."""
+        if not self.waiting.charges or not (len(self.waiting) or self.config.compute_bound):
             return set()
         return {r.tenant for r in self.running if r.num_computed_tokens < len(r.prompt_ids)}
 
@@ -204,7 +205,7 @@ class Scheduler:
                     continue
                 if pending - req.num_computed_tokens == 1 and self.kv.allocate_slots(req, 1):
                     chosen.append((req, 1))
-                    self._charge_prompt(req, 1)  # charges nothing for a decode
+                    self._charge_prompt(req, 1)  # if it is a prompt's last token
                     budget -= 1
         return self._build_plan(chosen, new_rows)
 

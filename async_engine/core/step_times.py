@@ -8,6 +8,9 @@ interpolated between the nearest classes it has seen.
 
 from __future__ import annotations
 
+import bisect
+from operator import itemgetter
+
 
 class StepTimes:
     ALPHA = 0.2  # weight of the newest step in its class's average
@@ -30,7 +33,7 @@ class StepTimes:
         points = self._points
         if not points:
             return None
-        i = next((i for i, (x, _) in enumerate(points) if x >= tokens), len(points))
+        i = bisect.bisect_left(points, tokens, key=itemgetter(0))
         if i == 0 or i == len(points):
             # Outside the sizes seen: in proportion to the nearest. Too short a guess only
             # plans the next step early, as for GPU-speed steps; never later than it should.
