@@ -11,7 +11,7 @@ MAX_LOGPROBS = 20
 _MAX_SEED = 2**64 - 1
 # Constrained decoding: (kind, spec). "json": any JSON value (spec ""); "json_schema": a
 # JSON Schema as a JSON string; "regex": a regular expression; "grammar": EBNF (GBNF).
-STRUCTURED_KINDS = ("json", "json_schema", "regex", "grammar")
+STRUCTURED_KINDS = ("json", "json_schema", "regex", "grammar", "lark")
 MAX_STRUCTURED_SPEC = 1 << 20
 
 

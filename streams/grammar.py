@@ -72,24 +72,26 @@ class Grammars:
         if kind == "json":
             return LLMatcher.grammar_from_json_schema("{}", defaults=compact)
         if kind == "json_schema":
-            schema = _closed_objects(json.loads(spec))
+            schema = closed_objects(json.loads(spec))
             return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=compact)
         if kind == "regex":
             return LLMatcher.grammar_from_regex(spec)
         if kind == "grammar":
             return LLMatcher.grammar_from_lark(gbnf_to_lark(spec))
+        if kind == "lark":  # llguidance's own syntax; tool calls are built in it
+            return LLMatcher.grammar_from_lark(spec)
         raise ValueError(f"structured_output kind {kind!r} is not known")
 
 
-def _closed_objects(schema: Any) -> Any:
+def closed_objects(schema: Any) -> Any:
     """Objects without an ``additionalProperties`` get ``false``: the properties the schema
     names and nothing else, as OpenAI's strict structured outputs (and vLLM) do, instead of
     JSON Schema's open default that lets a model run on with keys of its own."""
     if isinstance(schema, list):
-        return [_closed_objects(s) for s in schema]
+        return [closed_objects(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _closed_objects(v) for k, v in schema.items()}
+    out = {k: closed_objects(v) for k, v in schema.items()}
     if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out

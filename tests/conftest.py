@@ -52,3 +52,21 @@ def mixed_prompts(tokenizer) -> list[list[int]]:
     """8 prompts of mixed lengths: one spans several 16-token blocks, one gets chunked."""
     ids = tokenizer(TEXT * 3)["input_ids"]
     return [ids[:n] for n in (5, 17, 33, 64, 100, 150, 300, 12)]
+
+
+@pytest.fixture(scope="module")
+def chat_server(default_model: Path):
+    """The default model's OpenAI HTTP API (float32, the same greedy answers on every CPU),
+    one per test module."""
+    from server_helpers import http_server
+
+    srv = http_server(default_model, dtype="float32", device_threads=2)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def chat_client(chat_server):
+    from server_helpers import openai_client
+
+    return openai_client(chat_server)

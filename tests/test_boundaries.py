@@ -54,6 +54,7 @@ ALLOWED: dict[str, list[str]] = {
         "uvloop",
         "starlette",
         "uvicorn",
+        "jsonschema",
     ],
     "async_engine/client": [
         "async_engine.client",

@@ -105,10 +105,18 @@ def test_a_required_tool_call_parses_into_the_tools_arguments(client):
               tool_choice="required")  # fmt: skip
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    (call,) = choice.message.tool_calls
-    assert call.type == "function" and call.function.name in ("get_weather", "get_time")
-    if call.function.name == "get_weather":
-        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    assert choice.message.tool_calls, "at least one call"
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.function.name in ("get_weather", "get_time")
+        tool = WEATHER if call.function.name == "get_weather" else TIME
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_parallel_tool_calls_false_gives_exactly_one_call(client):
+    out = ask(client, "What is the weather in Paris?", tools=[WEATHER, TIME],
+              tool_choice="required", parallel_tool_calls=False)  # fmt: skip
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
 
 
 def test_a_named_tool_choice_calls_that_tool_also_when_streamed(client):

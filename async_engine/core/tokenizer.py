@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from async_engine.core.chat import normalize_messages, render_for_template
+
 
 class Tokenizer:
     def __init__(self, folder: str | Path) -> None:
@@ -26,17 +28,14 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
-        """The conversation's prompt ids; ``tools`` (OpenAI function specs) are shown to the
-        model where its template has a place for them."""
-        if not self.hf.chat_template:
+        """The conversation's prompt ids, messages as OpenAI clients send them (``core.chat``);
+        ``tools`` (OpenAI function specs) are shown to the model through its template, or in
+        a system message where the template has no place for them."""
+        template = self.hf.chat_template
+        if not template:
             raise ValueError("messages: this model has no chat template")
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or "role" not in message or "content" not in message:
-                raise ValueError(f"messages[{i}] must have a role and a content")
-            if message["role"] not in ("system", "user", "assistant", "tool"):
-                role = str(message["role"])  # quoted short: a huge role must not fill the error
-                shown = repr(role[:32]) + ("..." if len(role) > 32 else "")
-                raise ValueError(f"messages[{i}].role is unknown: {shown}")
+        messages = normalize_messages(messages)
+        messages, tools = render_for_template(messages, tools, str(template))
         ids = self.hf.apply_chat_template(
             messages, tools=tools, tokenize=True, add_generation_prompt=True
         )

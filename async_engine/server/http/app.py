@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -38,11 +39,12 @@ class OpenAIApp:
         self.model_names = {"default", str(self.engine.config.model)}
         self.app = Starlette(routes=[
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
-        ])  # fmt: skip
+        ], exception_handlers={HTTPException: _http_exception})  # fmt: skip
 
     # ------------------------------------------------------------ endpoints
     async def models(self, request: Request) -> Response:
@@ -50,9 +52,22 @@ class OpenAIApp:
             self._authorize(request)
         except HttpError as exc:
             return exc.response()
-        card = {"id": str(self.engine.config.model), "object": "model", "created": 0,
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            name = request.path_params["model"]
+            if name not in self.model_names:
+                raise HttpError(404, f"model {name!r} is not served here", "model",
+                                "model_not_found")  # fmt: skip
+        except HttpError as exc:
+            return exc.response()
+        return JSONResponse(self._card())
+
+    def _card(self) -> dict[str, Any]:
+        return {"id": str(self.engine.config.model), "object": "model", "created": 0,
                 "owned_by": "async-engine", "max_model_len": self.engine.max_model_len}  # fmt: skip
-        return JSONResponse({"object": "list", "data": [card]})
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)
@@ -147,6 +162,18 @@ class OpenAIApp:
         if principal is None:
             raise HttpError(401, "missing or wrong bearer token", None, "invalid_api_key")
         return principal
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (no such route, a method the route does not take) in
+    OpenAI's error shape, as every other error."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    message = f"{request.method} {request.url.path}: {exc.detail if isinstance(exc, HTTPException) else exc}"
+    response = HttpError(status, message, None, codes.get(status)).response()
+    if isinstance(exc, HTTPException) and exc.headers:
+        response.headers.update(exc.headers)  # Allow, for a 405
+    return response
 
 
 async def _released(gen: OpenAIGeneration, stalls: StalledStreams) -> AsyncIterator[str]:

@@ -86,10 +86,8 @@ class OpenAIGeneration:
         choices = [Choice() for _ in self.children]
         for index, delta in [x async for x in self.deltas()]:
             c = choices[index]
-            c.text += delta.text
-            c.token_ids += delta.token_ids
-            c.logprobs += delta.logprobs or []
-            c.top_logprobs += delta.top_logprobs or []
+            _extend(c, Choice(delta.text, delta.token_ids, delta.logprobs or [],
+                              delta.top_logprobs or []))  # fmt: skip
             if delta.finished:
                 c.finish_reason = finish_reason(delta.finish_reason)
         completion = sum(len(c.token_ids) for c in choices)
@@ -117,23 +115,26 @@ class OpenAIGeneration:
         return {"index": index, "text": c.text, "logprobs": logprobs,
                 "finish_reason": c.finish_reason}  # fmt: skip
 
-    def _logprobs(self, c: Choice) -> dict[str, Any]:
+    def _logprobs(self, c: Choice, start: int = 0) -> dict[str, Any]:
+        """OpenAI's logprobs of ``c``'s tokens; ``start`` is the completion's text offset of
+        its first token (a streamed chunk continues where the last one ended)."""
         tokenizer = self.engine.tokenizer
-        piece = (lambda t: tokenizer.decode([t], False)) if tokenizer else str
+        pieces = [tokenizer.decode([t], False) if tokenizer else str(t) for t in c.token_ids]
         tops = c.top_logprobs or [[] for _ in c.token_ids]
+        piece = (lambda t: tokenizer.decode([t], False)) if tokenizer else str
         if self.chat:
             return {"content": [
-                {"token": piece(t), "logprob": lp, "bytes": list(piece(t).encode()),
+                {"token": p, "logprob": lp, "bytes": list(p.encode()),
                  "top_logprobs": [{"token": piece(a), "logprob": b,
                                    "bytes": list(piece(a).encode())} for a, b in top]}
-                for t, lp, top in zip(c.token_ids, c.logprobs, tops, strict=False)
+                for p, lp, top in zip(pieces, c.logprobs, tops, strict=False)
             ]}  # fmt: skip
-        offsets, at = [], 0
-        for t in c.token_ids:
-            offsets.append(at)
-            at += len(piece(t))
+        offsets = []
+        for p in pieces:
+            offsets.append(start)
+            start += len(p)
         return {
-            "tokens": [piece(t) for t in c.token_ids],
+            "tokens": pieces,
             "token_logprobs": c.logprobs,
             "top_logprobs": [{piece(a): b for a, b in top} for top in tops],
             "text_offset": offsets,
@@ -142,23 +143,38 @@ class OpenAIGeneration:
     # -------------------------------------------------------------- stream
     async def events(self) -> AsyncIterator[str]:
         """Server-sent events: a chunk per delta, the usage chunk if asked, then [DONE]."""
-        emitted = [0] * len(self.children)
+        n = len(self.children)
+        emitted, offsets = [0] * n, [0] * n
+        wants_logprobs = self.sub.params.logprobs is not None
         if self.chat:
-            for i in range(len(self.children)):
+            for i in range(n):
                 yield self._event(i, {"role": "assistant", "content": ""}, None)
         tools = self.sub.tools if self.chat and self.sub.tools is not None else None
-        held = [""] * len(self.children)  # with tools: the answer, parsed once it is whole
+        held = [Choice() for _ in range(n)]  # with tools: the answer, parsed once it is whole
         async for index, delta in self.deltas():
             emitted[index] += len(delta.token_ids)
             reason = finish_reason(delta.finish_reason) if delta.finished else None
+            part = Choice(delta.text, delta.token_ids, delta.logprobs or [],
+                          delta.top_logprobs or [])  # fmt: skip
             if tools is not None:
-                held[index] += delta.text
+                _extend(held[index], part)
                 if reason is not None:
-                    yield self._event(index, *self._tool_delta(tools, held[index], reason))
+                    whole = held[index]
+                    logprobs = self._logprobs(whole) if wants_logprobs else None
+                    content, reason = self._tool_delta(tools, whole.text, reason)
+                    # As OpenAI streams: the finish reason comes in a last chunk of its own
+                    # (the SDK's stream helper finishes a call's arguments on it).
+                    yield self._event(index, content, None, logprobs)
+                    yield self._event(index, {}, reason)
                 continue
-            if delta.text or reason is not None:
-                content = {"content": delta.text} if self.chat else delta.text
-                yield self._event(index, content, reason)
+            if not (delta.text or reason is not None or (wants_logprobs and delta.token_ids)):
+                continue
+            logprobs = None
+            if wants_logprobs:
+                logprobs = self._logprobs(part, offsets[index])
+                offsets[index] += sum(len(t) for t in logprobs.get("tokens", ()))
+            content = {"content": delta.text} if self.chat else delta.text
+            yield self._event(index, content, reason, logprobs)
         if self.sub.include_usage:
             body = {"id": self.id, "object": self._chunk_object(), "created": self.created,
                     "model": self.sub.model, "choices": [],
@@ -176,14 +192,20 @@ class OpenAIGeneration:
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def _event(self, index: int, content: Any, reason: str | None) -> str:
-        if self.chat:
-            choice = {"index": index, "delta": content, "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {"index": index, "text": content, "logprobs": None, "finish_reason": reason}
+    def _event(self, index: int, content: Any, reason: str | None,
+               logprobs: dict[str, Any] | None = None) -> str:  # fmt: skip
+        key = "delta" if self.chat else "text"
+        choice = {"index": index, key: content, "logprobs": logprobs, "finish_reason": reason}
         body = {"id": self.id, "object": self._chunk_object(), "created": self.created,
                 "model": self.sub.model, "choices": [choice]}  # fmt: skip
         return f"data: {json.dumps(body)}\n\n"
+
+
+def _extend(whole: Choice, part: Choice) -> None:
+    whole.text += part.text
+    whole.token_ids += part.token_ids
+    whole.logprobs += part.logprobs
+    whole.top_logprobs += part.top_logprobs
 
 
 def _http_error(exc: BaseException) -> BaseException:

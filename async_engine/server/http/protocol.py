@@ -10,11 +10,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from async_engine.core.chat import normalize_messages
 from async_engine.core.request import FinishReason
 from async_engine.server.codec import Limits
 from async_engine.server.http.errors import bad_request
 from async_engine.server.http.tools import ToolSpec, tool_spec
-from sampler.params import SamplingParams
+from sampler.params import MAX_LOGPROBS, SamplingParams
 
 DEFAULT_LIMITS = Limits()
 
@@ -160,11 +161,14 @@ def chat_request(body: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> HttpS
         raise bad_request("messages must be a non-empty list", "messages")
     if len(messages) > limits.max_messages:
         raise bad_request(f"messages has more than {limits.max_messages} entries", "messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad_request(f"messages[{i}] must be an object with a role", "messages")
-        if not isinstance(m.get("content", ""), str):
-            raise bad_request(f"messages[{i}].content must be a string", "messages")
+    for old in ("functions", "function_call"):
+        if body.get(old) is not None:
+            raise bad_request(f"{old} is the deprecated form of tools: give tools and "
+                              "tool_choice", old)  # fmt: skip
+    try:
+        messages = normalize_messages(messages)
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from None
     max_tokens = _get(body, "max_completion_tokens", (int,), None)
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", (int,), None)
@@ -172,8 +176,13 @@ def chat_request(body: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> HttpS
     top = _get(body, "top_logprobs", (int,), None)
     if top is not None and not wants:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    tools = tool_spec(body)
-    structured = tools.schema_output() if tools is not None else structured_output(body)
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {top}",
+                          "top_logprobs")  # fmt: skip
+    structured = structured_output(body)
+    tools = tool_spec(body, structured)
+    if tools is not None:
+        structured = tools.schema_output()
     params = _params(body, max_tokens, (top or 0) if wants else None, structured, limits)
     sub = HttpSubmission(model, None, messages, params, stream, include_usage, user, top)
     sub.tools = tools

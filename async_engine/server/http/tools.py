@@ -1,9 +1,19 @@
-"""Tool calls for chat: ``tools`` and ``tool_choice``.
+"""Tool calls for chat: ``tools``, ``tool_choice`` and ``parallel_tool_calls``.
 
-``"required"`` and a named function constrain the output to a call object
-``{"name": ..., "arguments": {...}}`` whose arguments follow the tool's JSON Schema, so any
-model answers with a valid call. ``"auto"`` leaves the model free and parses the calls it
-chose to write in the Hermes/Qwen format, ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``.
+A call is written as a Hermes/Qwen block, ``<tool_call>{"name": ..., "arguments": {...}}
+</tool_call>``, under every choice: the chat template (or the tools prompt of
+``core.chat`` for templates without tools) shows the model that format, and the calls it
+made before come back to it the same way.
+
+- ``"required"`` and a named function constrain the answer to such blocks whose arguments
+  follow the tool's JSON Schema, so any model answers with a valid call: one call of a named
+  function; under required one or more, or exactly one without ``parallel_tool_calls``.
+- ``"auto"`` leaves the model free and parses the blocks it chose to write. A block
+  naming a function the request did not declare, or whose arguments break that tool's
+  schema, is not a call: it stays in the text, so a model (or a prompt injection it
+  echoes) cannot hand an agent a call it never offered. With ``response_format`` the
+  answer is constrained to either calls or text that follows the format: one grammar.
+- ``"none"`` returns text; ``response_format`` applies to it as without tools.
 """
 
 from __future__ import annotations
@@ -14,71 +24,113 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import jsonschema
+
 from async_engine.server.http.errors import bad_request
+from streams.grammar import closed_objects
 
 _CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+# Compact JSON inside the grammar: free whitespace lets a small model spend its budget on
+# newlines (the same default as the other structured outputs).
+_COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 
 
 @dataclass(slots=True)
 class ToolSpec:
     tools: list[dict[str, Any]]  # the request's tools, as given (shown to the chat template)
     choice: str  # "auto" | "required" | "none" | a function name
+    parallel: bool = True  # parallel_tool_calls: more than one call in an answer
+    answer: tuple[str, str] | None = None  # response_format of an answer that is not a call
 
     def schema_output(self) -> tuple[str, str] | None:
-        """The structured output that forces a call, or None where the model chooses."""
-        if self.choice in ("auto", "none"):
-            return None
-        functions = [t["function"] for t in self.tools]
-        if self.choice != "required":
-            functions = [f for f in functions if f["name"] == self.choice]
+        """The structured output of the answer: calls forced (required, named), calls or the
+        answer's format (auto with a format), the format alone (none), or None (free)."""
+        if self.choice == "none" or (self.choice == "auto" and self.answer is None):
+            return self.answer
+        named = self.choice not in ("auto", "required")  # a named function is called once
+        many = self.parallel and not named
+        rules = [f"calls: {'call+' if many else 'call'}",
+                 self._call_rule({self.choice} if named else None)]  # fmt: skip
+        if self.choice == "auto":
+            rules = ["start: calls | answer", *rules, "answer: " + _answer_rule(self.answer)]
+        else:
+            rules = ["start: calls", *rules]
+        return ("lark", "\n".join(rules) + "\n")
+
+    def _call_rule(self, names: set[str] | None) -> str:
         options = [
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": f["name"]},
-                    "arguments": f.get("parameters") or {"type": "object"},
-                },
-                "required": ["name", "arguments"],
-            }
-            for f in functions
-        ]
+            {"type": "object",
+             "properties": {"name": {"const": f["name"]},
+                            "arguments": f.get("parameters") or {"type": "object"}},
+             "required": ["name", "arguments"]}
+            for f in self._functions() if names is None or f["name"] in names
+        ]  # fmt: skip
         schema = options[0] if len(options) == 1 else {"anyOf": options}
-        return ("json_schema", json.dumps(schema))
+        schema = {**closed_objects(schema), **_COMPACT}
+        return f'call: "<tool_call>\\n" %json {json.dumps(schema)} "\\n</tool_call>" "\\n"?'
+
+    def _functions(self) -> list[dict[str, Any]]:
+        return [t["function"] for t in self.tools]
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """(content, tool_calls) of a finished answer."""
+        """(content, tool_calls) of a finished answer: declared, valid calls only."""
         if self.choice == "none":
             return text, []
-        if self.choice != "auto":
-            try:
-                call = json.loads(text)
-            except ValueError:
-                return text, []  # cut short by max_tokens: no complete call to report
-            return None, [_call(call)] if isinstance(call, dict) else []
-        calls = []
-        for block in _CALL.findall(text):
-            try:
-                call = json.loads(block)
-            except ValueError:
-                continue
-            if isinstance(call, dict) and isinstance(call.get("name"), str):
-                calls.append(_call(call))
+        schemas = {f["name"]: f.get("parameters") or {"type": "object"}
+                   for f in self._functions()}  # fmt: skip
+        calls: list[dict[str, Any]] = []
+        kept: list[str] = []  # what is not a call stays text
+        at = 0
+        for match in _CALL.finditer(text):
+            kept.append(text[at : match.start()])
+            at = match.end()
+            call = _valid_call(match.group(1), schemas)
+            if call is None or (calls and not self.parallel):
+                kept.append(match.group(0))
+            else:
+                calls.append(call)
         if not calls:
             return text, []
-        rest = _CALL.sub("", text).strip()
-        return rest or None, calls
+        rest = "".join(kept) + text[at:]
+        if self.choice != "auto":
+            # The grammar allows calls alone: what follows the last one is a call cut short
+            # by max_tokens, which no agent could run.
+            rest = "".join(kept)
+        return rest.strip() or None, calls
 
 
-def _call(call: dict[str, Any]) -> dict[str, Any]:
+def _valid_call(block: str, schemas: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    try:
+        call = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or call.get("name") not in schemas:
+        return None
     arguments = call.get("arguments", {})
+    try:
+        jsonschema.validate(arguments, schemas[call["name"]])
+    except (jsonschema.ValidationError, jsonschema.SchemaError):
+        return None
     return {
         "id": f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",
-        "function": {"name": str(call.get("name", "")), "arguments": json.dumps(arguments)},
+        "function": {"name": call["name"], "arguments": json.dumps(arguments)},
     }
 
 
-def tool_spec(body: dict[str, Any]) -> ToolSpec | None:
+def _answer_rule(answer: tuple[str, str] | None) -> str:
+    kind, spec = answer or ("json", "")
+    if kind == "json":
+        return "%json " + json.dumps({"type": "object", **_COMPACT})
+    if kind == "json_schema":
+        return "%json " + json.dumps({**closed_objects(json.loads(spec)), **_COMPACT})
+    if kind == "regex":
+        return "/" + spec.replace("/", "\\/") + "/"
+    raise ValueError(f"{kind} cannot be combined with tools")
+
+
+def tool_spec(body: dict[str, Any], answer: tuple[str, str] | None) -> ToolSpec | None:
+    """The request's tools, or None; ``answer`` is its response_format (or guided_regex)."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if tools is None:
@@ -93,9 +145,18 @@ def tool_spec(body: dict[str, Any]) -> ToolSpec | None:
         if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(fn, dict)
                 and isinstance(fn.get("name"), str) and fn["name"]):  # fmt: skip
             raise bad_request(f"tools[{i}] must be a function with a name", "tools")
-        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise bad_request(f"tools[{i}].function.parameters must be a JSON Schema", "tools")
+        params = fn.get("parameters")
+        if params is not None:
+            if not isinstance(params, dict):
+                raise bad_request(f"tools[{i}].function.parameters must be a JSON Schema", "tools")
+            try:
+                jsonschema.validators.validator_for(params).check_schema(params)
+            except jsonschema.SchemaError as exc:
+                raise bad_request(f"tools[{i}].function.parameters is not a valid JSON Schema: "
+                                  f"{exc.message}", "tools") from None  # fmt: skip
         names.append(fn["name"])
+    if len(set(names)) < len(names):
+        raise bad_request("tools declares a function name twice", "tools")
     if choice is None:
         choice = "auto"
     if isinstance(choice, dict):
@@ -106,4 +167,10 @@ def tool_spec(body: dict[str, Any]) -> ToolSpec | None:
         choice = name
     elif choice not in ("auto", "required", "none"):
         raise bad_request("tool_choice must be auto, required, none or a function", "tool_choice")
-    return ToolSpec(tools, choice)
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad_request("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+    if answer is not None and answer[0] == "grammar" and choice == "auto":
+        raise bad_request("guided_grammar cannot be combined with tools under tool_choice "
+                          "auto: give tool_choice none, or no grammar", "guided_grammar")  # fmt: skip
+    return ToolSpec(tools, choice, parallel, answer)
