@@ -177,3 +177,14 @@ def test_required_without_parallel_calls_allows_one_call(default_model: Path):
 def test_none_keeps_the_response_format():
     answer = ("json", "")
     assert ToolSpec([WEATHER], "none", answer=answer).schema_output() == answer
+
+
+def test_grpc_takes_the_developer_role_too():
+    from async_engine.server.codec import Limits, decode_request
+    from async_engine.v1 import generation_pb2 as pb
+
+    msg = pb.GenerateRequest()
+    msg.chat.messages.add(role="developer", content="Be brief.")
+    msg.chat.messages.add(role="user", content="Hi")
+    sub = decode_request(msg, Limits())
+    assert normalize_messages(sub.messages)[0] == {"role": "system", "content": "Be brief."}

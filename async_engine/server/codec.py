@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from async_engine.core.chat import ROLE_ALIASES, ROLES
 from async_engine.core.fanout import child_params
 from async_engine.core.output import RequestDelta
 from async_engine.core.request import FinishReason
@@ -16,7 +17,7 @@ from async_engine.server.errors import RpcFailure, invalid_argument
 from async_engine.v1 import generation_pb2 as pb
 from sampler.params import SamplingParams
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_ROLES = (*ROLES, *ROLE_ALIASES)  # developer is read as system, as on HTTP
 
 
 @dataclass(slots=True, frozen=True)
