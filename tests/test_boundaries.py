@@ -35,6 +35,8 @@ ALLOWED: dict[str, list[str]] = {
         "gguf",
         "numpy",
     ],
+    # Triton kernels for the CUDA device; triton is imported lazily, never by the CPU engine.
+    "async_engine/model/gpu_kernels": ["async_engine.model", "torch", "numpy", "triton"],
     # The scheduler plans with plain ints and lists: no torch, no model.
     "async_engine/core/scheduler.py": ["async_engine.core", "blockalloc", "streams.plan", "numpy"],
     "async_engine/core/kv_manager.py": ["async_engine.core", "blockalloc"],
