@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: venv serve generate test lint format bench clean proto
+.PHONY: venv serve generate test lint format bench clean proto gpu-check
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -35,6 +35,12 @@ proto: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/async-engine bench offline
+
+# On a GPU host, with its own Python (CUDA torch, triton, cupy; no package index, so no venv):
+# kernels against their torch references, decode attention timed, the CUDA-marked tests.
+# One JSON line per phase in gpu-check.json; exits non-zero on any mismatch or time-out.
+gpu-check:
+	python3 -m async_engine.bench.gpu_check --out gpu-check.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

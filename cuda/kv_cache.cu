@@ -2,6 +2,7 @@
 // Cache layout: [num_blocks * block_size, num_kv_heads * head_dim] (row = KV slot).
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 template <typename T>
 __device__ void store_kv_impl(
@@ -23,6 +24,13 @@ __device__ void store_kv_impl(
 extern "C" __global__ void store_kv_bf16(
     __nv_bfloat16* k_cache, __nv_bfloat16* v_cache, const __nv_bfloat16* k,
     const __nv_bfloat16* v, const long long* slot_mapping, int row_width)
+{
+    store_kv_impl(k_cache, v_cache, k, v, slot_mapping, row_width);
+}
+
+extern "C" __global__ void store_kv_f16(
+    __half* k_cache, __half* v_cache, const __half* k, const __half* v,
+    const long long* slot_mapping, int row_width)
 {
     store_kv_impl(k_cache, v_cache, k, v, slot_mapping, row_width);
 }

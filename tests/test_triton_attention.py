@@ -72,21 +72,10 @@ def _case(seqs, kv_heads, group, head_dim, block_size, dtype, seed=0):
     shape = (total, block_size, kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
-    tokens = sum(q for q, _ in seqs)
+    batch = _batch(seqs, tables, block_size)
+    tokens, slots = len(batch.positions), batch.slot_mapping
     q = torch.randn(tokens, kv_heads * group, head_dim, generator=gen).to(dtype)
-    positions = torch.cat([torch.arange(ctx - ql, ctx) for ql, ctx in seqs])
-    seq_of = torch.cat([torch.full((ql,), i) for i, (ql, _) in enumerate(seqs)])
-    slots = tables[seq_of, positions // block_size] * block_size + positions % block_size
     k32, v32 = k_cache.float(), v_cache.float()
-    batch = ForwardBatch(
-        input_ids=torch.zeros(tokens, dtype=torch.int64),
-        positions=positions,
-        slot_mapping=slots,
-        query_lens=[ql for ql, _ in seqs],
-        context_lens=[ctx for _, ctx in seqs],
-        block_tables=tables,
-        logits_indices=torch.arange(tokens),
-    )
     plan = AttentionPlan.build(batch, block_size, decode_bmm=False)
     # This step's K/V are the values already at their slots, so the write is a no-op and the
     # kernel and the reference read the same cache.
@@ -95,6 +84,22 @@ def _case(seqs, kv_heads, group, head_dim, block_size, dtype, seed=0):
                           slots, plan)  # fmt: skip
     lens = torch.tensor([ctx for _, ctx in seqs])
     return q, k_cache, v_cache, tables, lens, ref.view(q.shape)
+
+
+def _batch(seqs: list[tuple[int, int]], tables: torch.Tensor, block_size: int) -> ForwardBatch:
+    """The step of ``seqs`` (query_len, context_len) over their block ``tables``."""
+    positions = torch.cat([torch.arange(ctx - ql, ctx) for ql, ctx in seqs])
+    seq_of = torch.cat([torch.full((ql,), i) for i, (ql, _) in enumerate(seqs)])
+    slots = tables[seq_of, positions // block_size] * block_size + positions % block_size
+    return ForwardBatch(
+        input_ids=torch.zeros(len(positions), dtype=torch.int64),
+        positions=positions,
+        slot_mapping=slots,
+        query_lens=[ql for ql, _ in seqs],
+        context_lens=[ctx for _, ctx in seqs],
+        block_tables=tables,
+        logits_indices=torch.arange(len(positions)),
+    )
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -156,6 +161,30 @@ def test_varlen_matches_the_torch_path(group, kv_heads, head_dim, block_size, dt
     starts = torch.cumsum(q_lens, 0) - q_lens
     out = pa.paged_varlen(q, k_cache, v_cache, tables, starts, q_lens, lens, block_m=block_m)
     assert _close(out, ref)
+
+
+@pytest.mark.parametrize("seqs", [MIXED, [(1, 5), (1, 40), (1, 17)]], ids=["mixed", "decodes"])
+def test_the_attention_plan_runs_a_step_in_the_triton_kernels(seqs):
+    """What the model calls on a GPU: the plan builds the kernels' inputs (one varlen launch,
+    or the decode kernel when every row decodes) and ``paged_attention`` writes the step's K/V
+    and returns [T, H * D] like the torch path."""
+    q, k_cache, v_cache, tables, _, ref = _case(seqs, 2, 3, 64, 16, torch.float32, seed=3)
+    batch = _batch(seqs, tables, 16)
+    plan = AttentionPlan.build(batch, 16, False, k_cache, triton=True)
+    assert plan.triton is not None and plan.triton.max_query_len == max(ql for ql, _ in seqs)
+    slots = batch.slot_mapping
+    k_new = k_cache.view(-1, 2, 64)[slots].clone()
+    v_new = v_cache.view(-1, 2, 64)[slots].clone()
+    k_cache.view(-1, 2, 64)[slots] = 0.0  # the step's K/V must be written before attending
+    v_cache.view(-1, 2, 64)[slots] = 0.0
+    out = paged_attention(q, k_new, v_new, k_cache, v_cache, slots, plan)
+    assert out.shape == (len(slots), 3 * 2 * 64)
+    assert _close(out.view(q.shape), ref)
+
+
+def test_a_cpu_cache_never_picks_the_triton_kernels():
+    _, k_cache, _, tables, _, _ = _case([(1, 5)], 1, 2, 64, 16, torch.float32)
+    assert AttentionPlan.build(_batch([(1, 5)], tables, 16), 16, False, k_cache).triton is None
 
 
 def test_kernels_ignore_stale_slots():

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from streams.batch import ForwardBatch
 
-from . import cpu_kernels
+from . import cpu_kernels, gpu_kernels
 
 
 @dataclass(slots=True)
@@ -38,6 +38,26 @@ class PagedPrefill:
 
 
 @dataclass(slots=True)
+class TritonAttention:
+    """The whole step for the Triton kernels: one launch per layer, whatever the mix."""
+
+    block_tables: torch.Tensor  # [S, blocks the longest context needs], on the cache's device
+    q_starts: torch.Tensor  # [S]
+    q_lens: torch.Tensor  # [S]
+    context_lens: torch.Tensor  # [S]
+    max_query_len: int  # sizes the grid from the host: no device sync per layer
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        from .gpu_kernels import paged_attention as kernels
+
+        if self.max_query_len == 1:  # every row decodes: the graph-friendly kernel
+            return kernels.paged_decode(q, k_cache, v_cache, self.block_tables, self.context_lens)
+        return kernels.paged_varlen(q, k_cache, v_cache, self.block_tables, self.q_starts,
+                                    self.q_lens, self.context_lens,
+                                    max_query_len=self.max_query_len)  # fmt: skip
+
+
+@dataclass(slots=True)
 class AttentionPlan:
     num_tokens: int
     # Decode sequences (query_len == 1) run as one batched call.
@@ -52,6 +72,7 @@ class AttentionPlan:
     # the decode sequences' context lengths (int64 [Bd]).
     decode_lens: torch.Tensor | None = None
     paged_prefill: PagedPrefill | None = None  # set: prefills run in the CPU kernel, in one call
+    triton: TritonAttention | None = None  # set: every row runs in the Triton kernels (CUDA)
 
     @classmethod
     def build(
@@ -60,9 +81,12 @@ class AttentionPlan:
         block_size: int,
         decode_bmm: bool,
         cache: torch.Tensor | None = None,
+        triton: bool | None = None,
     ) -> AttentionPlan:
         """``cache`` (a layer's K cache: its size, dtype and device) lets the CPU kernels read
-        the paged cache in place where they apply."""
+        the paged cache in place where they apply. ``triton`` runs the step in the Triton
+        kernels; None picks them for a CUDA cache where they load (tests force them on CPU
+        tensors under Triton's interpreter)."""
         q_lens, ctx_lens = batch.query_lens, batch.context_lens
         if not len(q_lens) == len(ctx_lens) == batch.block_tables.shape[0]:
             raise ValueError(
@@ -89,6 +113,11 @@ class AttentionPlan:
             start += q
         if start != batch.input_ids.shape[0]:
             raise ValueError(f"query_lens sum to {start}, batch has {batch.input_ids.shape[0]}")
+        if triton is None:
+            triton = cache is not None and cache.is_cuda and gpu_kernels.available()
+        if triton:
+            return cls(start, None, None, None, decode_bmm, [],
+                       triton=_triton_plan(batch, starts, block_size, cache))  # fmt: skip
         paged = None
         if in_kernel_rows:
             paged = _paged_prefill(batch, in_kernel_rows, starts, block_size, kernel_cache)
@@ -117,6 +146,28 @@ class AttentionPlan:
                 else:
                     mask = valid
         return cls(start, rows, blocks, mask, decode_bmm, prefills, kernel_lens, paged)
+
+
+def _triton_plan(
+    batch: ForwardBatch, starts: list[int], block_size: int, cache: torch.Tensor | None
+) -> TritonAttention:
+    width = -(-max(batch.context_lens) // block_size)
+    if width > batch.block_tables.shape[1]:
+        raise ValueError(
+            f"context {max(batch.context_lens)} needs more blocks than block_tables has"
+        )
+    tables = batch.block_tables[:, :width].contiguous()
+    if cache is not None and not tables.is_cuda:
+        # The kernels trust their block ids. On a GPU reading them back would stall the step;
+        # there they come from the engine's own allocator.
+        _check_block_ids(tables, cache.shape[0])
+    device = tables.device
+
+    def int32s(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+
+    return TritonAttention(tables, int32s(starts), int32s(batch.query_lens),
+                           int32s(batch.context_lens), max(batch.query_lens))  # fmt: skip
 
 
 def _kernels_apply(cache: torch.Tensor) -> bool:
@@ -179,6 +230,8 @@ def paged_attention(
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
     width = q.shape[1] * head_dim
+    if plan.triton is not None:
+        return plan.triton.attend(q, k_cache, v_cache).reshape(-1, width)
 
     decoded = None
     if plan.decode_blocks is not None:

@@ -28,6 +28,28 @@ MIN_DOT = 16
 
 
 @triton.jit
+def _attend_block(q, k_at, v_at, kv_mask, score_mask, m, denom, acc, qk_scale,
+                  DOT_F32: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """One KV block of online softmax: (running max, denominator, accumulator) updated.
+
+    Masked loads, not just masked scores: stale cache slots may hold inf/nan, and 0 * nan in
+    the second dot would poison the row."""
+    k = tl.load(k_at, mask=kv_mask, other=0.0)
+    v = tl.load(v_at, mask=kv_mask, other=0.0)
+    if DOT_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = tl.where(score_mask, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    denom = denom * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, denom, acc
+
+
+@triton.jit
 def paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr,
     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
@@ -60,22 +82,9 @@ def paged_decode_kernel(
         block = tl.load(table + n).to(tl.int64)
         key_ok = n * BLOCK_SIZE + slots < ctx
         offs = block * c_stride_b + slots[:, None] * c_stride_s + kv * c_stride_h + dims[None, :]
-        # Masked loads, not just masked scores: stale cache slots may hold inf/nan, and 0 * nan
-        # in the second dot would poison the row.
         kv_mask = key_ok[:, None] & (dims < HEAD_DIM)[None, :]
-        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(key_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        denom = denom * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, denom, acc = _attend_block(q, k_ptr + offs, v_ptr + offs, kv_mask, key_ok[None, :],
+                                      m, denom, acc, qk_scale, DOT_F32, PRECISION)  # fmt: skip
         n += 1
     # A context length of 0 (never planned, but cheap to survive) leaves zeros, not nan.
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
@@ -131,20 +140,10 @@ def paged_varlen_kernel(
         key_ok = pos < end
         offs = block * c_stride_b + slots[:, None] * c_stride_s + kv * c_stride_h + dims[None, :]
         kv_mask = key_ok[:, None] & (dims < HEAD_DIM)[None, :]
-        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         # Every row, padding included, sees key 0 (q_pos >= 0), so no row is all -inf.
-        s = tl.where(key_ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        denom = denom * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        causal = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        m, denom, acc = _attend_block(q, k_ptr + offs, v_ptr + offs, kv_mask, causal,
+                                      m, denom, acc, qk_scale, DOT_F32, PRECISION)  # fmt: skip
         n += 1
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(out_ptr + tok_row[:, None] * o_stride_t + heads[:, None] * o_stride_h + dims[None, :],
