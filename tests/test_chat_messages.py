@@ -9,7 +9,7 @@ import pytest
 
 from async_engine.core.chat import normalize_messages, render_for_template
 from async_engine.core.tokenizer import Tokenizer
-from async_engine.server.http.tools import ToolSpec
+from async_engine.server.http.tools import ToolSpec, ToolStream
 
 WEATHER = {
     "type": "function",
@@ -188,3 +188,37 @@ def test_grpc_takes_the_developer_role_too():
     msg.chat.messages.add(role="user", content="Hi")
     sub = decode_request(msg, Limits())
     assert normalize_messages(sub.messages)[0] == {"role": "system", "content": "Be brief."}
+
+
+def _stream(spec: ToolSpec, text: str, step: int = 1) -> tuple[str, str | None, list]:
+    """Push ``text`` in pieces of ``step`` characters: (streamed, content at the end, calls)."""
+    stream = ToolStream(spec)
+    sent = "".join(stream.push(text[i : i + step]) for i in range(0, len(text), step))
+    content, calls = stream.finish()
+    return sent, content, calls
+
+
+def test_auto_streams_text_up_to_a_call_and_the_call_at_the_end():
+    call = _block("get_weather", {"city": "Oslo"})
+    sent, content, calls = _stream(ToolSpec([WEATHER], "auto"), "Let me look. " + call)
+    assert sent == "Let me look. " and content is None
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+
+
+def test_auto_streams_all_text_that_only_looks_like_a_tag_start():
+    text = "a <b> and <tool and <tool_cal"
+    sent, content, calls = _stream(ToolSpec([WEATHER], "auto"), text)
+    assert sent + content == text and calls == [], "a held tail is released at the end"
+    assert sent == "a <b> and <tool and ", "only a tail that may still become a tag waits"
+
+
+def test_a_streamed_undeclared_call_ends_as_text():
+    block = _block("delete_all_files", {})
+    sent, content, calls = _stream(ToolSpec([WEATHER], "auto"), "Ok " + block, step=5)
+    assert sent + content == "Ok " + block and calls == []
+
+
+def test_forced_calls_are_all_held_and_none_streams_everything():
+    call = _block("get_weather", {"city": "Oslo"})
+    assert _stream(ToolSpec([WEATHER], "required"), call)[0] == ""
+    assert _stream(ToolSpec([WEATHER], "none"), call) == (call, "", [])

@@ -84,6 +84,22 @@ def test_an_echoed_call_that_is_not_a_valid_declared_one_comes_back_as_text(chat
     assert choice.message.tool_calls is None and choice.finish_reason == "stop"
 
 
+def test_a_text_answer_under_auto_streams_as_it_comes(chat_client):
+    text = "Lighthouses guide ships home at night."
+    messages = [{"role": "user", "content": "Repeat after me: " + text},
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": "Again, exactly: " + text}]  # fmt: skip
+    options = {"tools": [WEATHER], "max_tokens": 20, "extra_body": {}}
+    whole = chat(chat_client, messages, **options).choices[0]
+    chunks = [c.choices[0] for c in chat(chat_client, messages, stream=True, **options)
+              if c.choices]  # fmt: skip
+    pieces = [c.delta.content for c in chunks if c.delta.content]
+    assert whole.message.tool_calls is None and whole.message.content.startswith("Lighthouses")
+    assert len(pieces) > 3, "token by token, not held until the end"
+    assert "".join(pieces) == whole.message.content
+    assert chunks[-1].finish_reason == whole.finish_reason
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_auto_with_a_response_format_answers_a_call_or_the_format(chat_client, stream: bool):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]

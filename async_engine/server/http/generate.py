@@ -18,6 +18,7 @@ from async_engine.core.request import FinishReason, Request
 from async_engine.server.auth import Principal, scoped
 from async_engine.server.http.errors import HttpError, bad_request
 from async_engine.server.http.protocol import HttpSubmission, finish_reason, usage
+from async_engine.server.http.tools import ToolStream
 from async_engine.server.service import merge_streams
 
 
@@ -150,21 +151,30 @@ class OpenAIGeneration:
             for i in range(n):
                 yield self._event(i, {"role": "assistant", "content": ""}, None)
         tools = self.sub.tools if self.chat and self.sub.tools is not None else None
-        held = [Choice() for _ in range(n)]  # with tools: the answer, parsed once it is whole
+        held = [Choice() for _ in range(n)]  # with tools: the answer, for its logprobs
+        streams = [ToolStream(tools) for _ in range(n)] if tools is not None else []
         async for index, delta in self.deltas():
             emitted[index] += len(delta.token_ids)
             reason = finish_reason(delta.finish_reason) if delta.finished else None
             part = Choice(delta.text, delta.token_ids, delta.logprobs or [],
                           delta.top_logprobs or [])  # fmt: skip
             if tools is not None:
+                # Text that cannot be a call streams at once; the calls (and the answer's
+                # logprobs) come when it is whole.
                 _extend(held[index], part)
+                text = streams[index].push(delta.text)
+                if text:
+                    yield self._event(index, {"content": text}, None)
                 if reason is not None:
-                    whole = held[index]
-                    logprobs = self._logprobs(whole) if wants_logprobs else None
-                    content, reason = self._tool_delta(tools, whole.text, reason)
+                    content, calls = streams[index].finish()
+                    logprobs = self._logprobs(held[index]) if wants_logprobs else None
+                    body: dict[str, Any] = {"content": content}
+                    if calls:
+                        body["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+                        reason = "tool_calls"
                     # As OpenAI streams: the finish reason comes in a last chunk of its own
                     # (the SDK's stream helper finishes a call's arguments on it).
-                    yield self._event(index, content, None, logprobs)
+                    yield self._event(index, body, None, logprobs)
                     yield self._event(index, {}, reason)
                 continue
             if not (delta.text or reason is not None or (wants_logprobs and delta.token_ids)):
@@ -181,13 +191,6 @@ class OpenAIGeneration:
                     "usage": usage(self.prompt_tokens, sum(emitted), self.cached_tokens)}  # fmt: skip
             yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
-
-    def _tool_delta(self, tools: Any, text: str, reason: str) -> tuple[dict[str, Any], str]:
-        content, calls = tools.parse(text)
-        if not calls:
-            return {"content": text}, reason
-        listed = [{"index": i, **call} for i, call in enumerate(calls)]
-        return {"content": content, "tool_calls": listed}, "tool_calls"
 
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"

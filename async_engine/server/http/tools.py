@@ -99,6 +99,50 @@ class ToolSpec:
         return rest.strip() or None, calls
 
 
+class ToolStream:
+    """One streamed answer under ``spec``: the text that can go out at once, then the calls.
+
+    Under ``auto`` text streams as it comes until a ``<tool_call>`` tag begins (a tail that
+    could still become one waits for the next delta); from the tag on, the rest is held and
+    parsed when the answer is whole. ``none`` streams everything; a forced choice is all
+    calls, so everything is held."""
+
+    TAG = "<tool_call>"
+
+    def __init__(self, spec: ToolSpec) -> None:
+        self.spec = spec
+        self.text = ""
+        self.sent = 0  # text[:sent] went out as content
+        self.holding = spec.choice not in ("auto", "none")
+
+    def push(self, delta: str) -> str:
+        """What of the answer so far may go out now as content."""
+        self.text += delta
+        if self.holding:
+            return ""
+        end = len(self.text)
+        if self.spec.choice == "auto":
+            tag = self.text.find(self.TAG, self.sent)
+            if tag >= 0:
+                end, self.holding = tag, True
+            else:
+                end -= _partial_tag(self.text, self.TAG)
+        out, self.sent = self.text[self.sent : end], end
+        return out
+
+    def finish(self) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content not yet sent, calls) once the answer is whole."""
+        return self.spec.parse(self.text[self.sent :])
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that begins ``tag``."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:size]):
+            return size
+    return 0
+
+
 def _valid_call(block: str, schemas: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     try:
         call = json.loads(block)
