@@ -120,9 +120,9 @@ class OpenAIGeneration:
         """OpenAI's logprobs of ``c``'s tokens; ``start`` is the completion's text offset of
         its first token (a streamed chunk continues where the last one ended)."""
         tokenizer = self.engine.tokenizer
-        pieces = [tokenizer.decode([t], False) if tokenizer else str(t) for t in c.token_ids]
-        tops = c.top_logprobs or [[] for _ in c.token_ids]
         piece = (lambda t: tokenizer.decode([t], False)) if tokenizer else str
+        pieces = [piece(t) for t in c.token_ids]
+        tops = c.top_logprobs or [[] for _ in c.token_ids]
         if self.chat:
             return {"content": [
                 {"token": p, "logprob": lp, "bytes": list(p.encode()),
@@ -159,23 +159,10 @@ class OpenAIGeneration:
             part = Choice(delta.text, delta.token_ids, delta.logprobs or [],
                           delta.top_logprobs or [])  # fmt: skip
             if tools is not None:
-                # Text that cannot be a call streams at once; the calls (and the answer's
-                # logprobs) come when it is whole.
                 _extend(held[index], part)
-                text = streams[index].push(delta.text)
-                if text:
-                    yield self._event(index, {"content": text}, None)
-                if reason is not None:
-                    content, calls = streams[index].finish()
-                    logprobs = self._logprobs(held[index]) if wants_logprobs else None
-                    body: dict[str, Any] = {"content": content}
-                    if calls:
-                        body["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
-                        reason = "tool_calls"
-                    # As OpenAI streams: the finish reason comes in a last chunk of its own
-                    # (the SDK's stream helper finishes a call's arguments on it).
-                    yield self._event(index, body, None, logprobs)
-                    yield self._event(index, {}, reason)
+                for event in self._tool_events(index, streams[index], held[index], delta.text,
+                                               reason):  # fmt: skip
+                    yield event
                 continue
             if not (delta.text or reason is not None or (wants_logprobs and delta.token_ids)):
                 continue
@@ -191,6 +178,26 @@ class OpenAIGeneration:
                     "usage": usage(self.prompt_tokens, sum(emitted), self.cached_tokens)}  # fmt: skip
             yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
+
+    def _tool_events(self, index: int, stream: ToolStream, whole: Choice, text: str,
+                     reason: str | None) -> list[str]:  # fmt: skip
+        """A delta of an answer with tools: text that cannot be a call goes out at once; the
+        calls (and the answer's logprobs) when it is whole."""
+        events = []
+        sendable = stream.push(text)
+        if sendable:
+            events.append(self._event(index, {"content": sendable}, None))
+        if reason is not None:
+            content, calls = stream.finish()
+            logprobs = self._logprobs(whole) if self.sub.params.logprobs is not None else None
+            body: dict[str, Any] = {"content": content}
+            if calls:
+                body["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+                reason = "tool_calls"
+            # As OpenAI streams: the finish reason comes in a last chunk of its own (the SDK's
+            # stream helper finishes a call's arguments on it).
+            events += [self._event(index, body, None, logprobs), self._event(index, {}, reason)]
+        return events
 
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
