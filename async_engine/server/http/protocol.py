@@ -18,6 +18,7 @@ from async_engine.server.http.tools import ToolSpec, tool_spec
 from sampler.params import MAX_LOGPROBS, SamplingParams
 
 DEFAULT_LIMITS = Limits()
+JSON_OBJECT = json.dumps({"type": "object", "additionalProperties": True})
 
 # OpenAI field -> SamplingParams field, for the numbers both APIs share.
 _SAMPLING = {
@@ -91,7 +92,8 @@ def structured_output(body: dict[str, Any]) -> tuple[str, str] | None:
             raise bad_request("response_format type must be text, json_object or json_schema",
                               "response_format")  # fmt: skip
         if fmt["type"] == "json_object":
-            found.append(("json", ""))
+            # A JSON object, as OpenAI's json_object promises (the "json" kind takes any value).
+            found.append(("json_schema", JSON_OBJECT))
         elif fmt["type"] == "json_schema":
             spec = fmt.get("json_schema")
             schema = spec.get("schema") if isinstance(spec, dict) else None
