@@ -194,9 +194,11 @@ class OpenAIGeneration:
             if calls:
                 body["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
                 reason = "tool_calls"
+            if content or calls or logprobs is not None:
+                events.append(self._event(index, body, None, logprobs))
             # As OpenAI streams: the finish reason comes in a last chunk of its own (the SDK's
             # stream helper finishes a call's arguments on it).
-            events += [self._event(index, body, None, logprobs), self._event(index, {}, reason)]
+            events.append(self._event(index, {}, reason))
         return events
 
     def _chunk_object(self) -> str:
