@@ -93,6 +93,8 @@ class AttentionPlan:
                 f"{len(q_lens)} query_lens, {len(ctx_lens)} context_lens and "
                 f"{batch.block_tables.shape[0]} block_tables rows: one each per sequence"
             )
+        if triton is None:
+            triton = cache is not None and cache.is_cuda and gpu_kernels.available()
         device = batch.block_tables.device
         kernel_cache = cache if cache is not None and _kernels_apply(cache) else None
         in_kernel = kernel_cache is not None and cpu_kernels.prefill_supported(
@@ -104,7 +106,9 @@ class AttentionPlan:
             if q < 1 or ctx < q:
                 raise ValueError(f"sequence {i}: query_len {q} with context_len {ctx}")
             starts.append(start)
-            if q == 1:
+            if triton:  # one launch takes every row: no per-sequence masks to build
+                pass
+            elif q == 1:
                 decode.append(i)
             elif in_kernel:
                 in_kernel_rows.append(i)
@@ -113,8 +117,6 @@ class AttentionPlan:
             start += q
         if start != batch.input_ids.shape[0]:
             raise ValueError(f"query_lens sum to {start}, batch has {batch.input_ids.shape[0]}")
-        if triton is None:
-            triton = cache is not None and cache.is_cuda and gpu_kernels.available()
         if triton:
             return cls(start, None, None, None, decode_bmm, [],
                        triton=_triton_plan(batch, starts, block_size, cache))  # fmt: skip
