@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
+from sampler.noise import exponential_noise, seed_to_int64
 from sampler.params import SamplingParams
 
 # Below this temperature logits / T overflows float32 for ordinary logit ranges; such
 # rows are sampled greedily, which is what the distribution has collapsed to anyway.
 _GREEDY_EPS = 1e-5
-_MASK64 = (1 << 64) - 1
 
 
 @dataclass(slots=True)
@@ -39,8 +39,6 @@ class Sampler:
         self._seed = seed
         # Unseeded rows share one generator per device, so a batch costs one draw.
         self._shared: dict[torch.device, torch.Generator] = {}
-        # Seeded rows are reseeded every step, so one CPU generator serves them all.
-        self._seeded = torch.Generator()
 
     def sample(self, logits: torch.Tensor, states: list[SlotState]) -> SampleResult:
         """Pick one token per row of ``logits`` [B, >=V] and append it to that row's state."""
@@ -111,18 +109,20 @@ class Sampler:
     ) -> torch.Tensor:
         noise = torch.empty(shape, device=device)
         noise.exponential_(generator=self._shared_generator(device))
-        seeded, rows = [], []
-        for i, state in enumerate(states):
-            seed = state.params.seed
-            if seed is not None:
-                # Drawn on CPU: a Generator is bound to one device, and this keeps a seeded
-                # row's tokens the same whatever device or batch it runs in.
-                self._seeded.manual_seed(_row_seed(seed, len(state.output_ids)))
-                rows.append(torch.empty(shape[1]).exponential_(generator=self._seeded))
-                seeded.append(i)
+        seeded = [
+            (i, seed_to_int64(s.params.seed), len(s.output_ids))
+            for i, s in enumerate(states)
+            if s.params.seed is not None
+        ]
         if seeded:
-            index = torch.tensor(seeded, device=device)
-            noise[index] = torch.stack(rows).to(device)
+            # The counter-based noise DeviceSampler draws too: a seeded request gets the same
+            # tokens whatever device, batch or runner samples it.
+            index, seeds, steps = zip(*seeded, strict=True)
+            noise[torch.tensor(index, device=device)] = exponential_noise(
+                torch.tensor(seeds, dtype=torch.int64, device=device),
+                torch.tensor(steps, dtype=torch.int64, device=device),
+                shape[1],
+            )
         # Exp(1) can return exactly 0; p / 0 would be inf (or NaN for a filtered token).
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
@@ -144,15 +144,6 @@ def _has_penalty(p: SamplingParams) -> bool:
 
 def _min_tokens_active(s: SlotState) -> bool:
     return bool(s.stop_ids) and len(s.output_ids) < s.params.min_tokens
-
-
-def _row_seed(seed: int, step: int) -> int:
-    # splitmix64 of (seed, step): the noise of step k must not look like that of step k+1,
-    # and neighbouring seeds must not give overlapping streams.
-    x = (seed + (step + 1) * 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
 
 
 def _token_counts(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -16,3 +17,6 @@ class ForwardBatch:
     context_lens: list[int]  # per sequence: tokens in the KV cache after this step
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
     logits_indices: torch.Tensor  # [S] int64: rows of T whose logits are returned
+    # A prebuilt attention plan (the CUDA runner's, from device tensors): the model then skips
+    # planning from the host lists above, which a captured graph could not do.
+    attention: Any = None

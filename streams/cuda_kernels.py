@@ -94,9 +94,21 @@ def store_kv(
     slot_mapping: torch.Tensor,  # [T] int64; a slot < 0 (graph padding) stores nothing
 ) -> None:
     """Write this step's K/V at their slots of the paged cache."""
-    row = k_cache.shape[2] * k_cache.shape[3]
+    if not try_store_kv(k_cache, v_cache, k, v, slot_mapping):
+        store_kv_twin(k_cache, v_cache, k, v, slot_mapping)
+
+
+def try_store_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """``store_kv`` by the CUDA kernel; False (nothing written) where it cannot run, so the
+    caller picks its own fallback (the model's, which a CUDA graph can capture)."""
     suffix = STORE_KV_SUFFIX.get(k_cache.dtype)
-    if (
+    return (
         suffix is not None
         and _on_gpu(k_cache, v_cache, k, v, slot_mapping)
         and _launch(
@@ -109,11 +121,9 @@ def store_kv(
             k.data_ptr(),
             v.data_ptr(),
             slot_mapping.data_ptr(),
-            np.int32(row),
+            np.int32(k_cache.shape[2] * k_cache.shape[3]),
         )  # fmt: skip
-    ):
-        return
-    store_kv_twin(k_cache, v_cache, k, v, slot_mapping)
+    )
 
 
 # --------------------------------------------------------------------------- twins

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from streams.device import Device, DeviceSpec
+from streams.pipeline.runner import build_pipelined_runner
 from streams.process_device import ProcessDevice
 from streams.runner import build_model_runner
 from streams.sim import CostModel
@@ -18,18 +19,35 @@ KINDS = ("cpu", "cuda", "sim")
 def model_spec(
     kind: str,
     model_factory: Callable[[], Any],
-    num_blocks: int,
+    num_blocks: int | None,
     block_size: int,
     max_blocks_per_row: int,
     threads: int,
     tokenizer_folder: str | None = None,
+    pipelined: bool | None = None,
+    cuda_graphs: bool = True,
+    graph_max_batch: int = 80,
+    memory_share: float = 0.9,
+    step_tokens: int = 512,
 ) -> DeviceSpec:
     """A device that runs the model: on the CPU with ``threads`` torch threads, or on CUDA.
-    ``tokenizer_folder`` lets it compile grammars for structured output."""
+    ``tokenizer_folder`` lets it compile grammars for structured output. ``pipelined`` (the
+    default on CUDA) launches steps without waiting for them; on CPU it runs the same code
+    serialised, which tests and A/B runs use."""
     if kind not in ("cpu", "cuda"):
         raise ValueError(f"a model device is cpu or cuda, got {kind!r}")
-    factory = functools.partial(build_model_runner, model_factory, num_blocks, block_size,
-                                max_blocks_per_row, kind, tokenizer_folder)  # fmt: skip
+    if pipelined is None:
+        pipelined = kind == "cuda"
+    if num_blocks is None and not (pipelined and kind == "cuda"):
+        raise ValueError("num_blocks is sized from GPU memory only by the pipelined CUDA runner")
+    if pipelined:
+        factory = functools.partial(build_pipelined_runner, model_factory, num_blocks,
+                                    block_size, max_blocks_per_row, kind, tokenizer_folder,
+                                    cuda_graphs, graph_max_batch, memory_share,
+                                    step_tokens)  # fmt: skip
+    else:
+        factory = functools.partial(build_model_runner, model_factory, num_blocks, block_size,
+                                    max_blocks_per_row, kind, tokenizer_folder)  # fmt: skip
     return DeviceSpec(factory, threads if kind == "cpu" else 1)
 
 

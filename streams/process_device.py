@@ -19,6 +19,7 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
+import queue
 import struct
 import subprocess
 import sys
@@ -78,6 +79,8 @@ class ProcessDevice(Device):
         if frame[:1] != READY:
             self.close()
             raise DeviceError(f"device process failed to start:\n{frame[1:].decode()}")
+        # What the runner decided at start (a GPU runner: the KV blocks that fit).
+        self.info: dict[str, Any] = pickle.loads(frame[1:]) if len(frame) > 1 else {}
 
     @property
     def pid(self) -> int:
@@ -199,7 +202,10 @@ def _device_main(plan_recv: Connection, result_send: Connection, heartbeat: str)
     except Exception:
         result_send.send_bytes(FAILED + traceback.format_exc().encode())
         return
-    result_send.send_bytes(READY)
+    result_send.send_bytes(READY + pickle.dumps(getattr(runner, "info", {})))
+    if hasattr(runner, "launch"):
+        _pipelined_loop(runner, plan_recv, result_send)
+        return
 
     clock = PreciseClock()
     ahead: tuple[bytes, Any] | None = None  # a message read while a step ran
@@ -227,6 +233,50 @@ def _device_main(plan_recv: Connection, result_send: Connection, heartbeat: str)
             result_send.send_bytes(RESULT + encode_result(result))
         except (BrokenPipeError, OSError):
             return
+
+
+def _pipelined_loop(runner: Any, plan_recv: Connection, result_send: Connection) -> None:
+    """A runner that launches without waiting (``launch(plan) -> pending``): this thread
+    reads plans and launches them; a completer thread waits for each step (``finish``, which
+    releases the GIL while it waits on the device) and sends results in launch order. The
+    runner's slots bound how far launching runs ahead."""
+    launched: queue.Queue[Any] = queue.Queue()
+
+    def complete() -> None:
+        while True:
+            pending = launched.get()
+            if pending is None:
+                return
+            try:
+                result = runner.finish(pending)
+            except DeviceError:
+                traceback.print_exc()
+                os._exit(70)  # the control plane sees the process gone and replaces it
+            except Exception as exc:
+                result = StepResult(pending.step_id, [], error=f"{type(exc).__name__}: {exc}")
+            try:
+                result_send.send_bytes(RESULT + encode_result(result))
+            except (BrokenPipeError, OSError):
+                os._exit(0)  # the control plane went away
+            finally:
+                launched.task_done()
+
+    completer = threading.Thread(target=complete, daemon=True, name="completer")
+    completer.start()
+    while True:
+        try:
+            kind, payload = _read(plan_recv)
+        except (EOFError, OSError):
+            kind, payload = SHUTDOWN, None
+        if kind == SHUTDOWN:
+            launched.put(None)
+            completer.join(timeout=30)
+            return
+        if kind == STEP:
+            launched.put(runner.launch(payload))
+        elif kind == REPLAY:
+            launched.join()  # a replay runs on an idle device
+            launched.put(runner.replay(payload))
 
 
 def _read(plan_recv: Connection) -> tuple[bytes, Any]:

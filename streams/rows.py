@@ -34,8 +34,9 @@ class RowState:
         self.last_tokens = np.zeros(rows, dtype=np.int64)  # the token buffer, host side
         self.live = np.zeros(rows, dtype=bool)
 
-    def apply(self, plan: StepPlan) -> None:
-        """Bring the row state up to the plan: releases, joins, resets, appended blocks."""
+    def apply(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Bring the row state up to the plan: releases, joins, resets, appended blocks.
+        Returns the table entries written, as (rows, columns, blocks), for a device copy."""
         if len(plan.released_rows):
             self.live[plan.released_rows] = False
             self.num_blocks[plan.released_rows] = 0
@@ -47,9 +48,13 @@ class RowState:
             self.num_blocks[plan.reset_rows] = 0
         pairs = plan.new_blocks
         if len(pairs):
-            self.append_blocks(pairs[0::2].astype(np.int64), pairs[1::2].astype(np.int64))
+            return self.append_blocks(pairs[0::2].astype(np.int64), pairs[1::2].astype(np.int64))
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
 
-    def append_blocks(self, rows: np.ndarray, blocks: np.ndarray) -> None:
+    def append_blocks(
+        self, rows: np.ndarray, blocks: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Append blocks to rows' tables, in the order given (a row may appear many times)."""
         order = np.argsort(rows, kind="stable")
         rows, blocks = rows[order], blocks[order]
@@ -62,6 +67,7 @@ class RowState:
             raise ValueError(f"a block table outgrew {self.max_blocks} blocks")
         self.tables[rows, columns] = blocks
         self.num_blocks[rows[first]] += run_lengths
+        return rows, columns, blocks
 
     def layout(self, plan: StepPlan) -> BatchLayout:
         rows = plan.rows.astype(np.int64)

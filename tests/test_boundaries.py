@@ -35,6 +35,13 @@ ALLOWED: dict[str, list[str]] = {
         "gguf",
         "numpy",
     ],
+    # The KV store of the CUDA path is cuda/kv_cache.cu, loaded by streams.cuda_kernels.
+    "async_engine/model/attention.py": [
+        "async_engine.model",
+        "streams.batch",
+        "streams.cuda_kernels",
+        "torch",
+    ],
     # Triton kernels for the CUDA device; triton is imported lazily, never by the CPU engine.
     "async_engine/model/gpu_kernels": ["async_engine.model", "torch", "numpy", "triton"],
     # The scheduler plans with plain ints and lists: no torch, no model.

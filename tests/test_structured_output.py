@@ -20,7 +20,7 @@ pytest.importorskip("llguidance")
 SCHEMAS = {
     "flat": {
         "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+        "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
         "required": ["name", "age"],
     },
     "nested-with-enum": {

@@ -35,6 +35,7 @@ def cpu_has_fast_bf16() -> bool:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "sim")
 LOAD_FORMATS = ("auto", "dummy")
+DEVICE_RUNNERS = ("auto", "sync", "pipelined")
 
 
 def _opt(default: object, help: str, choices: tuple[str, ...] | None = None) -> object:
@@ -48,6 +49,14 @@ class EngineConfig:
     device: str = _opt("auto", "where steps run (sim: a modelled device, no weights)", DEVICES)
     load_format: str = _opt("auto", "dummy: random weights from config.json alone", LOAD_FORMATS)
     overlap: bool = _opt(True, "plan step N+1 while step N runs (off: the synchronous twin)")
+    device_runner: str = _opt(
+        "auto", "pipelined: streams, events, tokens kept on the device (auto: on CUDA)",
+        DEVICE_RUNNERS,
+    )  # fmt: skip
+    cuda_graphs: bool = _opt(True, "decode steps replay CUDA graphs in padded batch buckets")
+    gpu_memory_utilization: float = _opt(
+        0.9, "share of the GPU's memory the device may use (weights, activations, KV pool)"
+    )
     block_size: int = _opt(16, "tokens per KV block")
     num_kv_blocks: int | None = _opt(None, "KV pool size (default: from max seqs and length)")
     max_num_seqs: int = _opt(64, "requests running at once")
@@ -87,6 +96,7 @@ class EngineConfig:
             ("dtype", DTYPES),
             ("device", DEVICES),
             ("load_format", LOAD_FORMATS),
+            ("device_runner", DEVICE_RUNNERS),
             ("scheduling_policy", POLICIES),
         ):
             if getattr(self, name) not in allowed:
@@ -108,6 +118,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not 0.5 <= value < 1e6:
                 raise ValueError(f"{name} must be a number of seconds >= 0.5, got {value!r}")
+        share = self.gpu_memory_utilization
+        if not isinstance(share, int | float) or isinstance(share, bool) or not 0 < share <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {share!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -141,6 +154,11 @@ class EngineConfig:
 
     def resolved_device(self) -> str:
         return default_device() if self.device == "auto" else self.device
+
+    def resolved_device_runner(self) -> str:
+        if self.device_runner != "auto":
+            return self.device_runner
+        return "pipelined" if self.resolved_device() == "cuda" else "sync"
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":

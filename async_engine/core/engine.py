@@ -97,7 +97,11 @@ class AsyncEngine:
         self.device_kind = config.resolved_device()
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)  # fmt: skip
+        self._device_wrapper = device_wrapper  # tests inject faults here; the engine never does
         num_blocks = config.num_kv_blocks or self._default_num_blocks()
+        # A GPU sizes its own pool from free memory (gpu_memory_utilization): start it first.
+        self.device = self._start_device(num_blocks or None)
+        num_blocks = num_blocks or getattr(self.device, "info", {})["num_blocks"]
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_cache)
         queue = make_queue(config.scheduling_policy, config.resolved_tenant_weights(),
                            config.default_tenant_weight)  # fmt: skip
@@ -113,8 +117,6 @@ class AsyncEngine:
             InputLimits(mc.vocab_size, self.max_model_len, num_blocks, config.block_size, eos),
             self.tokenizer,
         )
-        self._device_wrapper = device_wrapper  # tests inject faults here; the engine never does
-        self.device = self._start_device()
         self.timeline = DeviceTimeline()
         self.phase_clock = PhaseClock()
         self._outputs: dict[str, OutputProcessor] = {}  # per request, until released
@@ -145,15 +147,18 @@ class AsyncEngine:
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="prepare",
                                                 initializer=_lower_thread_priority)  # fmt: skip
 
-    def _start_device(self) -> Device:
-        """A new device process (blocks until it is ready: seconds, a model load)."""
-        device = create_device(self._device_spec(self.pool.num_blocks))
+    def _start_device(self, num_blocks: int | None = None) -> Device:
+        """A new device process (blocks until it is ready: seconds, a model load). A restart
+        keeps the pool's size."""
+        if num_blocks is None and hasattr(self, "pool"):
+            num_blocks = self.pool.num_blocks
+        device = create_device(self._device_spec(num_blocks))
         return device if self._device_wrapper is None else self._device_wrapper(device)
 
     def _new_link(self) -> DeviceLink:
         return DeviceLink(self.device, self._on_step_done, self.config.device_heartbeat_timeout_s)
 
-    def _device_spec(self, num_blocks: int) -> DeviceSpec:
+    def _device_spec(self, num_blocks: int | None) -> DeviceSpec:
         config, bs = self.config, self.config.block_size
         max_blocks_per_row = -(-self.max_model_len // bs)
         if self.device_kind == "sim":
@@ -164,10 +169,18 @@ class AsyncEngine:
         model = functools.partial(build_model, str(self.model_path), self.dtype, self.device_kind,
                                   load_format=config.load_format, seed=config.seed)  # fmt: skip
         tokenizer = str(self.model_path) if self.tokenizer is not None else None
+        # The fair scheduler admits up to a quarter over max_num_seqs: graphs cover that too.
+        graph_max_batch = -(-config.max_num_seqs * 5 // 4)
         return model_spec(self.device_kind, model, num_blocks, bs, max_blocks_per_row,
-                          config.resolved_device_threads(), tokenizer)  # fmt: skip
+                          config.resolved_device_threads(), tokenizer,
+                          config.resolved_device_runner() == "pipelined", config.cuda_graphs,
+                          graph_max_batch, config.gpu_memory_utilization,
+                          config.max_num_batched_tokens)  # fmt: skip
 
     def _default_num_blocks(self) -> int:
+        """0 where the pipelined GPU runner measures free memory itself."""
+        if self.device_kind == "cuda" and self.config.resolved_device_runner() == "pipelined":
+            return 0
         mc, bs = self.model_config, self.config.block_size
         itemsize = 4 if self.dtype == "float32" else 2
         block_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * bs * itemsize

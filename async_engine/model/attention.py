@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from streams.batch import ForwardBatch
+from streams.cuda_kernels import try_store_kv
 
 from . import cpu_kernels, gpu_kernels
 
@@ -73,6 +74,11 @@ class AttentionPlan:
     decode_lens: torch.Tensor | None = None
     paged_prefill: PagedPrefill | None = None  # set: prefills run in the CPU kernel, in one call
     triton: TritonAttention | None = None  # set: every row runs in the Triton kernels (CUDA)
+
+    @classmethod
+    def for_triton(cls, attention: TritonAttention, num_tokens: int) -> AttentionPlan:
+        """A plan whose layout the caller built on the device (the CUDA runner, a graph)."""
+        return cls(num_tokens, None, None, None, False, [], triton=attention)
 
     @classmethod
     def build(
@@ -229,8 +235,12 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend; returns [T, H * D]."""
     _, _, kv_heads, head_dim = k_cache.shape
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    # On a GPU cuda/kv_cache.cu writes both caches in one launch; elsewhere (or without
+    # CuPy) two index copies, which a CUDA graph can capture too.
+    if not (k_cache.is_cuda and try_store_kv(k_cache, v_cache, k.contiguous(), v.contiguous(),
+                                             slot_mapping)):  # fmt: skip
+        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
     width = q.shape[1] * head_dim
     if plan.triton is not None:
         return plan.triton.attend(q, k_cache, v_cache).reshape(-1, width)

@@ -17,8 +17,8 @@ from torch import nn
 
 from streams.batch import ForwardBatch
 
-from . import cpu_kernels
-from .attention import AttentionPlan, paged_attention
+from . import cpu_kernels, gpu_kernels
+from .attention import AttentionPlan, TritonAttention, paged_attention
 from .config import ModelConfig
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
@@ -176,13 +176,35 @@ class LlamaModel(nn.Module):
         if len(kv_cache) != len(self.layers):
             raise ValueError(f"kv_cache has {len(kv_cache)} layers, model has {len(self.layers)}")
         k_cache = kv_cache[0][0]
-        plan = AttentionPlan.build(batch, k_cache.shape[1], self.decode_bmm, k_cache)
+        plan = batch.attention or AttentionPlan.build(
+            batch, k_cache.shape[1], self.decode_bmm, k_cache
+        )
         cos, sin = self._rope(batch.positions)
         x = F.embedding(batch.input_ids, self.embed)
         for layer, kv in zip(self.layers, kv_cache, strict=True):
             x = layer(x, cos, sin, kv, batch.slot_mapping, plan)
         x = rms_norm(x[batch.logits_indices], self.norm, self.cfg.rms_norm_eps)
         return linear(x, self.lm_head).float()
+
+    def triton_attention_runs(self, block_size: int) -> bool:
+        """Whether the Triton kernels attend here: a CUDA model with triton, and blocks whose
+        power-of-two size of at least 16 their dots take."""
+        fits = block_size >= 16 and block_size & (block_size - 1) == 0
+        return fits and self.embed.is_cuda and gpu_kernels.available()
+
+    @staticmethod
+    def device_attention(
+        block_tables: torch.Tensor,
+        q_starts: torch.Tensor,
+        q_lens: torch.Tensor,
+        context_lens: torch.Tensor,
+        max_query_len: int,
+        num_tokens: int,
+    ) -> AttentionPlan:
+        """A step's attention plan for the Triton kernels from tensors already on the device
+        (``ForwardBatch.attention``): no host lists, so a CUDA graph can capture it."""
+        kernels = TritonAttention(block_tables, q_starts, q_lens, context_lens, max_query_len)
+        return AttentionPlan.for_triton(kernels, num_tokens)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin, [T, 1, head_dim] in model dtype (HF rounds them the same)."""
