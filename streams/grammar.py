@@ -65,7 +65,8 @@ class Grammars:
 
     @staticmethod
     def _build(kind: str, spec: str) -> str:
-        from llguidance import LLMatcher, gbnf_to_lark
+        from llguidance import LLMatcher
+        from llguidance.gbnf_to_lark import any_to_lark  # a module of that name holds it
 
         # Compact JSON: free whitespace lets a small model spend its budget on newlines.
         compact = {"whitespace_flexible": False}
@@ -76,8 +77,8 @@ class Grammars:
             return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=compact)
         if kind == "regex":
             return LLMatcher.grammar_from_regex(spec)
-        if kind == "grammar":
-            return LLMatcher.grammar_from_lark(gbnf_to_lark(spec))
+        if kind == "grammar":  # GBNF (llama.cpp's EBNF) or Lark, as vLLM's guided_grammar
+            return LLMatcher.grammar_from_lark(any_to_lark(spec))
         if kind == "lark":  # llguidance's own syntax; tool calls are built in it
             return LLMatcher.grammar_from_lark(spec)
         raise ValueError(f"structured_output kind {kind!r} is not known")

@@ -20,7 +20,10 @@ pytest.importorskip("llguidance")
 SCHEMAS = {
     "flat": {
         "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        },
         "required": ["name", "age"],
     },
     "nested-with-enum": {
@@ -98,6 +101,21 @@ def test_a_regex_constrains_a_completion(client):
     out = client.completions.create(model="default", prompt="My phone number is", max_tokens=20,
                                     temperature=0, extra_body={"guided_regex": r"\d{3}-\d{4}"})  # fmt: skip
     assert re.fullmatch(r"\d{3}-\d{4}", out.choices[0].text)
+
+
+YES_NO = 'root ::= answer "."\nanswer ::= "yes" | "no"'
+
+
+def test_an_ebnf_grammar_constrains_a_completion(client):
+    out = client.completions.create(model="default", prompt="Is the sea salty?", max_tokens=10,
+                                    temperature=0, extra_body={"guided_grammar": YES_NO})  # fmt: skip
+    assert out.choices[0].text in ("yes.", "no.")
+
+
+def test_a_lark_grammar_constrains_a_chat_answer(client):
+    lark = 'start: "The answer is " DIGIT "."\nDIGIT: /[0-9]/'
+    out = ask(client, "What is two plus two?", max_tokens=12, extra_body={"guided_grammar": lark})
+    assert re.fullmatch(r"The answer is [0-9]\.", out.choices[0].message.content)
 
 
 def test_a_required_tool_call_parses_into_the_tools_arguments(client):
@@ -192,3 +210,14 @@ async def test_grpc_generate_takes_a_json_schema(server: BackgroundServer):
         with pytest.raises(InvalidArgument) as err:
             await collect(grpc_client, "x", structured_output=("regex", "[a-"))
         assert "structured_output" in str(err.value)
+
+
+async def test_grpc_generate_takes_an_ebnf_grammar(server: BackgroundServer):
+    from server_helpers import collect
+
+    from async_engine.client import AsyncClient
+
+    async with AsyncClient(server.address) as grpc_client:
+        out = await collect(grpc_client, "Is the sea salty?", max_tokens=10, temperature=0.0,
+                            structured_output=("grammar", YES_NO))  # fmt: skip
+    assert out.text[0] in ("yes.", "no.")
