@@ -55,7 +55,10 @@ def test_max_tokens_ends_with_length(llm):
     assert len(out[0].token_ids) == 5 and out[0].finish_reason == "length"
 
 
-def test_stop_token_id_ends_with_stop_and_counts_the_wasted_token(llm):
+def test_stop_token_id_ends_with_stop_and_counts_the_wasted_token(llm, monkeypatch):
+    # Pin the overlap loop's mode: always plan step N+1 before step N's tokens are applied
+    # (on a CPU it may otherwise wait for a step that ends in time, which wastes nothing).
+    monkeypatch.setattr(llm.engine, "PLAN_AFTER_STEP_BELOW", 0.0)
     free = llm.generate([prompt(9)], GREEDY)[0].token_ids
     stop_at = free[3]
     before = llm.stats().wasted_tokens

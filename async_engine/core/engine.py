@@ -257,16 +257,30 @@ class AsyncEngine:
         return req
 
     async def prepare(
-        self, prompt: str | list[int] | None, params: SamplingParams | None
+        self,
+        prompt: str | list[int] | None,
+        params: SamplingParams | None,
+        messages: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str | list[int] | None:
         """The slow parts of a submission, on a worker thread instead of the event loop every
-        stream shares: tokenizing a long text prompt (the Rust tokenizer drops the GIL) and
-        compiling a grammar (the first reads the tokenizer's vocabulary). Returns the prompt,
-        as token ids where it was tokenized; ``add_request`` then finds the grammar cached.
-        Raises ValueError naming prompt or structured_output."""
+        stream shares: templating and tokenizing a chat (``messages``, with ``tools``),
+        tokenizing a long text prompt (the Rust tokenizer drops the GIL) and compiling a
+        grammar (the first reads the tokenizer's vocabulary). Cheap refusals (text that
+        cannot fit the context) come first, on the loop. Returns the prompt, as token ids
+        where it was tokenized (a chat always is: pass those, not the messages, to
+        ``add_request``), which then finds the grammar cached. Raises ValueError naming
+        messages, prompt or structured_output."""
         loop = asyncio.get_running_loop()
+        if messages is not None:
+            if prompt is not None:
+                raise ValueError("prompt: give either a prompt or messages, not both")
+            self.inputs.check_chat_fits(messages)
         if params is not None and params.structured_output is not None:
             await loop.run_in_executor(self._prepare_pool, self.check_structured_output, params)
+        if messages is not None:
+            return await loop.run_in_executor(self._prepare_pool, self.inputs.chat_ids,
+                                              messages, tools)  # fmt: skip
         if not isinstance(prompt, str) or len(prompt) < self.OFF_LOOP_CHARS or not self.tokenizer:
             return prompt
         self.inputs.check_text_fits(prompt)

@@ -91,6 +91,24 @@ class InputBuilder:
             raise ValueError(f"prompt: {len(text)} characters cannot fit the context of "
                              f"{self.limits.max_model_len} tokens (refused before tokenizing)")  # fmt: skip
 
+    def check_chat_fits(self, messages: Any) -> None:
+        """Refuse, before templating, a conversation whose text alone cannot fit the context
+        (the template only adds to it)."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        chars = sum(_text_chars(m.get("content")) for m in messages if isinstance(m, dict))
+        fits = self.limits.max_model_len * self._need_tokenizer("messages").max_token_chars
+        if chars > fits:
+            raise ValueError(f"messages: {chars} characters of content cannot fit the context "
+                             f"of {self.limits.max_model_len} tokens (refused before "
+                             "templating)")  # fmt: skip
+
+    def chat_ids(self, messages: Any, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The conversation templated and tokenized: slow for a long chat, so servers call it
+        off the event loop (``AsyncEngine.prepare``)."""
+        self.check_chat_fits(messages)
+        return self._need_tokenizer("messages").apply_chat_template(messages, tools)
+
     def _prompt_ids(
         self,
         prompt: Any,
@@ -101,9 +119,7 @@ class InputBuilder:
         if messages is not None:
             if prompt is not None:
                 raise ValueError("prompt: give either a prompt or messages, not both")
-            if not isinstance(messages, list) or not messages:
-                raise ValueError("messages must be a non-empty list")
-            return self._need_tokenizer("messages").apply_chat_template(messages, tools)
+            return self.chat_ids(messages, tools)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -147,3 +163,12 @@ class InputBuilder:
         if self.tokenizer is None:
             raise ValueError(f"{field}: this model has no tokenizer; pass token ids")
         return self.tokenizer
+
+
+def _text_chars(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):  # content parts: only text counts toward the bound
+        return sum(len(p["text"]) for p in content if isinstance(p, dict)
+                   and isinstance(p.get("text"), str))  # fmt: skip
+    return 0

@@ -122,7 +122,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             except NotAllowed as exc:
                 raise permission_denied(str(exc), exc.field) from None
         try:
-            sub.prompt = await self.engine.prepare(sub.prompt, sub.params)
+            sub.prompt = await self.engine.prepare(sub.prompt, sub.params, sub.messages)
+            sub.messages = None  # templated off the loop: the prompt holds its ids now
         except ValueError as exc:
             raise invalid_argument(str(exc), prompt_field=sub.prompt_field) from None
         rid = sub.request_id or uuid.uuid4().hex

@@ -106,10 +106,15 @@ class OpenAIApp:
                 raise HttpError(404, f"model {sub.model!r} is not served here", "model",
                                 "model_not_found")  # fmt: skip
             try:
-                sub.prompt = await self.engine.prepare(sub.prompt, sub.params)
+                tools = sub.tools.tools if sub.tools and sub.tools.choice != "none" else None
+                sub.prompt = await self.engine.prepare(sub.prompt, sub.params, sub.messages,
+                                                       tools)  # fmt: skip
+                sub.messages = None  # templated off the loop: the prompt holds its ids now
             except ValueError as exc:
-                grammar = str(exc).startswith("structured_output")
-                raise bad_request(str(exc), "response_format" if grammar else "prompt") from None
+                text = str(exc)
+                field = "response_format" if text.startswith("structured_output") else "prompt"
+                field = "messages" if text.startswith("messages") else field
+                raise bad_request(text, field) from None
             gen = OpenAIGeneration(self.engine, sub, chat, request.headers.get("x-request-id"),
                                    principal)  # fmt: skip
             gen.submit()

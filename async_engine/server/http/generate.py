@@ -50,10 +50,10 @@ class OpenAIGeneration:
         # client has seen nothing, so a lost device can start it over.
         options: dict[str, Any] = {"tenant": sub.user, "stream": sub.stream}
         prompt = sub.prompt
-        if sub.messages is not None:
+        if sub.messages is not None:  # not templated yet (the app templates off the loop)
             options["messages"] = sub.messages
-        if sub.tools is not None and sub.tools.choice != "none":
-            options["tools"] = sub.tools.tools
+            if sub.tools is not None and sub.tools.choice != "none":
+                options["tools"] = sub.tools.tools
         try:
             for i, child in enumerate(child_ids(self.engine_id, sub.params.n)):
                 params = sub.params.for_sample(i)

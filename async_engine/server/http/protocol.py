@@ -78,9 +78,12 @@ def _stop(body: dict[str, Any], limits: Limits) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def structured_output(body: dict[str, Any]) -> tuple[str, str] | None:
+def structured_output(
+    body: dict[str, Any], limits: Limits = DEFAULT_LIMITS
+) -> tuple[str, str] | None:
     """``response_format`` (json_object, json_schema), or the ``guided_regex`` and
-    ``guided_grammar`` extensions; at most one of them."""
+    ``guided_grammar`` extensions; at most one of them, no longer than the limit (compiling
+    takes time in proportion)."""
     found: list[tuple[str, str]] = []
     fmt = body.get("response_format")
     if fmt is not None:
@@ -101,12 +104,17 @@ def structured_output(body: dict[str, Any]) -> tuple[str, str] | None:
                 raise bad_request("response_format.json_schema.schema must be an object",
                                   "response_format")  # fmt: skip
             found.append(("json_schema", json.dumps(schema)))
+    fields = ["response_format"] * len(found)
     for name, kind in (("guided_regex", "regex"), ("guided_grammar", "grammar")):
         if body.get(name) is not None:
             found.append((kind, _get(body, name, (str,))))
+            fields.append(name)
     if len(found) > 1:
         raise bad_request("give one of response_format, guided_regex, guided_grammar",
                           "response_format")  # fmt: skip
+    if found and len(found[0][1]) > limits.max_structured_chars:
+        raise bad_request(f"{fields[0]} is longer than {limits.max_structured_chars} characters",
+                          fields[0])  # fmt: skip
     return found[0] if found else None
 
 
@@ -150,9 +158,13 @@ def completion_request(body: dict[str, Any], limits: Limits = DEFAULT_LIMITS) ->
         raise bad_request("prompt must be a string or a list of token ids (one prompt)", "prompt")
     if not isinstance(prompt, (str, list)) or not prompt:
         raise bad_request("prompt must be a non-empty string or list of token ids", "prompt")
+    if isinstance(prompt, str) and len(prompt) > limits.max_prompt_chars:
+        raise bad_request(f"prompt is longer than {limits.max_prompt_chars} characters", "prompt")
+    if isinstance(prompt, list) and len(prompt) > limits.max_prompt_tokens:
+        raise bad_request(f"prompt has more than {limits.max_prompt_tokens} token ids", "prompt")
     max_tokens = _get(body, "max_tokens", (int,), 16)
     logprobs = _get(body, "logprobs", (int,), None)
-    params = _params(body, max_tokens, logprobs, structured_output(body), limits)
+    params = _params(body, max_tokens, logprobs, structured_output(body, limits), limits)
     return HttpSubmission(model, prompt, None, params, stream, include_usage, user, None)
 
 
@@ -171,6 +183,10 @@ def chat_request(body: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> HttpS
         messages = normalize_messages(messages)
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from None
+    chars = sum(len(m.get("content") or "") for m in messages)
+    if chars > limits.max_prompt_chars:
+        raise bad_request(f"messages are longer than {limits.max_prompt_chars} characters",
+                          "messages")  # fmt: skip
     max_tokens = _get(body, "max_completion_tokens", (int,), None)
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", (int,), None)
@@ -181,7 +197,10 @@ def chat_request(body: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> HttpS
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {top}",
                           "top_logprobs")  # fmt: skip
-    structured = structured_output(body)
+    structured = structured_output(body, limits)
+    if len(json.dumps(body.get("tools") or [])) > limits.max_structured_chars:
+        raise bad_request(f"tools are longer than {limits.max_structured_chars} characters "
+                          "(their grammar is compiled per request)", "tools")  # fmt: skip
     tools = tool_spec(body, structured)
     if tools is not None:
         structured = tools.schema_output()

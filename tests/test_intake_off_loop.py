@@ -1,0 +1,123 @@
+"""What a client sends is prepared off the event loop, and refused cheaply when it cannot fit:
+a long chat must not freeze the other streams, on either front end."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from server_helpers import start_server
+
+from async_engine.client import AsyncClient, InvalidArgument
+from async_engine.server.app import BackgroundServer, ServerOptions
+
+# About 0.6 M characters: inside the context's character bound (8192 tokens x the longest
+# token), so it is templated and tokenized (about half a second each) before the token count
+# refuses it.
+LONG_CHAT = [{"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 240}
+             for i in range(500)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(default_model: Path):
+    srv = start_server(default_model, ServerOptions(port=0, metrics_port=None, http_port=0),
+                       device="sim", dtype="bfloat16", sim_step_ms=0.2, sim_token_us=0,
+                       sim_seq_us=0, sim_ctx_ns=0, num_kv_blocks=256)  # fmt: skip
+    yield srv
+    srv.close()
+
+
+def _url(server: BackgroundServer, path: str) -> str:
+    return f"http://127.0.0.1:{server.server.http_port}{path}"
+
+
+def _worst_poll_while(server: BackgroundServer, work) -> float:
+    """The slowest of GET /v1/models polled every 20 ms while ``work`` runs in threads: the
+    server's event loop answers it, so its latency is the loop's stall."""
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    worst = 0.0
+    with httpx.Client(timeout=30) as client:
+        client.get(_url(server, "/v1/models"))  # connected, warm
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            start = time.perf_counter()
+            client.get(_url(server, "/v1/models"))
+            worst = max(worst, time.perf_counter() - start)
+            time.sleep(0.02)
+    for t in threads:
+        t.join()
+    return worst
+
+
+def test_long_http_chats_leave_the_event_loop_free(server):
+    answers = []
+
+    def chat() -> None:
+        body = {"model": "default", "messages": LONG_CHAT, "max_tokens": 1}
+        answers.append(httpx.post(_url(server, "/v1/chat/completions"), json=body, timeout=60))
+
+    worst = _worst_poll_while(server, chat)
+    assert [a.status_code for a in answers] == [400] * 3  # too many tokens, found off the loop
+    assert "context length" in answers[0].json()["error"]["message"]
+    assert worst < 0.2, f"the event loop stalled {worst:.3f} s"
+
+
+def test_long_grpc_chats_leave_the_event_loop_free(server):
+    errors = []
+
+    def chat() -> None:
+        async def one() -> None:
+            async with AsyncClient(server.address) as client:
+                try:
+                    async for _ in client.generate(messages=LONG_CHAT, max_tokens=1):
+                        pass
+                except InvalidArgument as exc:
+                    errors.append(exc)
+
+        asyncio.run(one())
+
+    worst = _worst_poll_while(server, chat)
+    assert len(errors) == 3
+    assert worst < 0.2, f"the event loop stalled {worst:.3f} s"
+
+
+def test_a_chat_whose_text_cannot_fit_is_refused_before_templating(server):
+    huge = [{"role": "user", "content": "x" * 900_000}]  # over 8192 x the longest token
+    start = time.perf_counter()
+    answer = httpx.post(_url(server, "/v1/chat/completions"), timeout=60,
+                        json={"model": "default", "messages": huge})  # fmt: skip
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert error["param"] == "messages" and "refused before templating" in error["message"]
+    assert time.perf_counter() - start < 0.5
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "x" * (1 << 20 | 1)}, "prompt"),
+        ("/v1/completions", {"prompt": [1] * ((1 << 17) + 1)}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (1 << 20 | 1)}]},
+         "messages"),
+        ("/v1/completions", {"prompt": "a", "guided_regex": "a" * (1 << 18 | 1)}, "guided_regex"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+         "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+             "enum": ["v" * 1000] * 300}}}}, "response_format"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+         "tools": [{"type": "function", "function": {"name": "f", "description": "d" * (1 << 18),
+                                                      "parameters": {"type": "object"}}}]},
+         "tools"),
+    ],
+    ids=["text", "token-ids", "chat", "regex", "schema", "tools"],
+)  # fmt: skip
+def test_http_applies_the_servers_size_limits(server, path, body, param):
+    answer = httpx.post(_url(server, path), json={"model": "default", **body}, timeout=60)
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert error["param"] == param
+    assert "longer than" in error["message"] or "more than" in error["message"]
