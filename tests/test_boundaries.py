@@ -84,6 +84,16 @@ ALLOWED: dict[str, list[str]] = {
         "prometheus_client",
         "uvloop",
     ],
+    # make gpu-check's driver runs `bench` and `profile` in process (the GPU host lacks the
+    # server's packages) on weights it writes itself.
+    "async_engine/bench/gpu_models.py": [
+        *CORE,
+        "async_engine.bench",
+        "async_engine.cli.bench",
+        "async_engine.cli.profile",
+        "torch",
+        "safetensors",
+    ],
     # Entry points: the only runtime-side code that may reach the profiler.
     "async_engine/cli": [*CORE, "async_engine", "profiling", "uvloop", "structlog"],
     "async_engine/__init__.py": ["async_engine.core", "sampler"],

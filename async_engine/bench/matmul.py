@@ -12,20 +12,24 @@ import time
 import torch
 
 
-def matmul_only_ms(folder: str, dtype: str, batch: int, threads: int, reps: int = 20) -> float:
+def matmul_only_ms(folder: str, dtype: str, batch: int, threads: int, reps: int = 20,
+                   device: str = "cpu", load_format: str = "auto") -> float:  # fmt: skip
     """Median ms of one decode step's matmuls (every layer's qkv, o, gate|up and down, and the
-    head) at ``batch`` rows, with the model's packed weights and ``threads`` torch threads."""
+    head) at ``batch`` rows, with the model's packed weights and ``threads`` torch threads, on
+    the engine's device and with its weights (``load_format`` "dummy": random ones)."""
     from async_engine.model import build_model
     from async_engine.model.llama import linear
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        model = build_model(folder, dtype, "cpu")
+        model = build_model(folder, dtype, device, load_format)
         cfg = model.cfg
-        hidden = torch.randn(batch, cfg.hidden_size).to(model.dtype)
-        heads = torch.randn(batch, cfg.num_heads * cfg.head_dim).to(model.dtype)
-        inter = torch.randn(batch, cfg.intermediate_size).to(model.dtype)
+        hidden = torch.randn(batch, cfg.hidden_size, device=device).to(model.dtype)
+        heads = torch.randn(batch, cfg.num_heads * cfg.head_dim, device=device).to(model.dtype)
+        inter = torch.randn(batch, cfg.intermediate_size, device=device).to(model.dtype)
+        # A GPU returns before its work is done: wait for it, or the clock reads the launch.
+        sync = torch.cuda.synchronize if device == "cuda" else lambda: None
 
         def step() -> None:
             for layer in model.layers:
@@ -37,10 +41,12 @@ def matmul_only_ms(folder: str, dtype: str, batch: int, threads: int, reps: int 
 
         with torch.inference_mode():
             step()
+            sync()
             times = []
             for _ in range(reps):
                 start = time.perf_counter()
                 step()
+                sync()
                 times.append(time.perf_counter() - start)
         return 1e3 * statistics.median(times)
     finally:

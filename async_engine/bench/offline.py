@@ -186,7 +186,8 @@ def cmd_offline(args: argparse.Namespace) -> int:
             runs = {**options, "device_threads": threads}
             r = compare_modes(runs, prompts, work.max_tokens, args.rounds)
             r["matmul_only_ms"] = matmul_only_ms(str(folder), dtype, r["full_decode_batch"],
-                                                 threads)  # fmt: skip
+                                                 threads, device=config.resolved_device(),
+                                                 load_format=config.load_format)  # fmt: skip
             if args.structured:
                 r["structured_tokens_per_s"] = run_structured(runs, prompts, work.max_tokens)
             results[f"device_threads={threads}"] = r
