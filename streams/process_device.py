@@ -20,6 +20,7 @@ import mmap
 import os
 import pickle
 import queue
+import signal
 import struct
 import subprocess
 import sys
@@ -191,6 +192,11 @@ def _start_heartbeat(path: str) -> None:
 
 
 def _device_main(plan_recv: Connection, result_send: Connection, heartbeat: str) -> None:
+    # Ctrl-C, `timeout` and service managers signal the whole process group: the server
+    # drains on them and then shuts the device down itself (or the device sees its pipes
+    # close). Killed with it, the device would end every in-flight stream mid-drain.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     _start_heartbeat(heartbeat)
     try:
         spec: DeviceSpec = pickle.loads(plan_recv.recv_bytes())

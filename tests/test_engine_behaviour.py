@@ -390,3 +390,10 @@ async def test_a_long_text_prompt_is_tokenized_off_the_event_loop(default_model:
             await engine.prepare("x" * 10_000_000, None)
     finally:
         await engine.aclose()
+
+
+def test_a_prompt_that_is_not_valid_unicode_is_refused_naming_it(llm):
+    with pytest.raises(ValueError, match="prompt is not valid Unicode"):
+        llm.generate("\ud800x", GREEDY)
+    with pytest.raises(ValueError, match=r"messages\[0\].content is not valid Unicode"):
+        llm.chat([{"role": "user", "content": "a\udfff"}], GREEDY)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from server_helpers import start_server
 
 from async_engine.client import AsyncClient, InvalidArgument
@@ -121,3 +123,69 @@ def test_http_applies_the_servers_size_limits(server, path, body, param):
     error = answer.json()["error"]
     assert error["param"] == param
     assert "longer than" in error["message"] or "more than" in error["message"]
+
+
+# ------------------------------------------------------------------ odd bodies: 4xx, never 5xx
+def _post_raw(server: BackgroundServer, path: str, raw: bytes) -> httpx.Response:
+    return httpx.post(_url(server, path), content=raw, timeout=60,
+                      headers={"content-type": "application/json"})  # fmt: skip
+
+
+def test_a_body_nested_100k_deep_is_a_400(server):
+    raw = b'{"model": "default", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    answer = _post_raw(server, "/v1/completions", raw)
+    assert answer.status_code == 400 and "nests too deeply" in answer.json()["error"]["message"]
+
+
+def test_a_schema_nested_5000_deep_is_a_400(server):
+    schema = '{"type": "array", "items": ' * 5000 + '{"type": "string"}' + "}" * 5000
+    raw = ('{"model": "default", "messages": [{"role": "user", "content": "a"}], '
+           '"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": '
+           + schema + "}}}").encode()  # fmt: skip
+    answer = _post_raw(server, "/v1/chat/completions", raw)
+    assert answer.status_code == 400
+
+
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [("/v1/completions", '"prompt": "\\ud800x"'),
+     ("/v1/chat/completions", '"messages": [{"role": "user", "content": "a\\udfffb"}]'),
+     ("/v1/completions", '"prompt": "x", "stop": ["\\ud83d"]')],
+    ids=["prompt", "chat", "stop"],
+)  # fmt: skip
+def test_a_lone_surrogate_is_a_400_not_a_500(server, path, field):
+    answer = _post_raw(server, path, ('{"model": "default", ' + field + "}").encode())
+    assert answer.status_code == 400
+    assert "surrogate" in answer.json()["error"]["message"]
+
+
+def test_a_paired_surrogate_escape_is_one_character_and_welcome(server):
+    raw = b'{"model": "default", "prompt": "smile \\ud83d\\ude00", "max_tokens": 2}'
+    assert _post_raw(server, "/v1/completions", raw).status_code == 200
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=12,
+)  # fmt: skip
+FIELDS = ["prompt", "messages", "max_tokens", "temperature", "top_p", "stop", "n", "seed",
+          "logprobs", "top_logprobs", "response_format", "tools", "tool_choice", "user",
+          "stream", "stream_options", "guided_regex", "guided_grammar", "priority",
+          "logit_bias", "max_completion_tokens"]  # fmt: skip
+
+
+@given(
+    chat=st.booleans(),
+    body=st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=5),
+)
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+def test_fuzzed_http_bodies_get_an_answer_or_a_4xx_never_a_5xx(server, chat, body):
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"model": "default", **body, "stream": False, "max_tokens": 2}
+    answer = httpx.post(_url(server, path), json=body, timeout=60)
+    assert answer.status_code < 500, answer.text

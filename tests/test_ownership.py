@@ -20,6 +20,7 @@ TOKENS = {"tokens": [
     {"token": "token-search", "principal": "search", "tenants": ["search", "search-batch"],
      "min_priority": 0},
     {"token": "token-ops", "principal": "ops"},
+    {"token": "token-batch", "principal": "batch", "min_priority": 10},
 ]}  # fmt: skip
 
 
@@ -131,6 +132,41 @@ def test_http_maps_the_bearer_token_to_its_principal(server: BackgroundServer):
     status, denied = post(server, {**body, "user": "ops"}, "token-search")
     assert (status, denied["error"]["param"]) == (403, "user")
     assert post(server, {**body, "user": "search-batch"}, "token-search")[0] == 200
+
+
+def test_an_http_request_runs_at_its_principals_priority_floor(server: BackgroundServer):
+    body = {"model": "default", "prompt": [5, 6, 7], "max_tokens": 1000, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    conn = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=30)
+    try:
+        headers = {"content-type": "application/json", "authorization": "Bearer token-batch"}
+        conn.request("POST", "/v1/completions", json.dumps(body), headers)
+        resp = conn.getresponse()
+        assert resp.status == 200
+        resp.readline()  # its first event: the request is in the engine
+        running = [r for rid, r in server.engine.scheduler.requests.items()
+                   if rid.startswith("batch/")]  # fmt: skip
+        assert [r.priority for r in running] == [10]  # not 0, which would overtake others
+    finally:
+        conn.close()
+
+
+def test_http_refuses_a_priority_more_urgent_than_the_floor_naming_it(server: BackgroundServer):
+    body = {"model": "default", "prompt": [5, 6, 7], "max_tokens": 2}
+    status, denied = post(server, {**body, "priority": 3}, "token-batch")
+    assert (status, denied["error"]["param"]) == (403, "priority")
+    assert post(server, {**body, "priority": 12}, "token-batch")[0] == 200
+    assert post(server, {**body, "priority": -5}, "token-ops")[0] == 200  # no floor
+
+
+def test_the_floor_is_one_rule_for_both_front_ends():
+    floor = Principal("batch", min_priority=10)
+    assert floor.admit("", None) == ("", 10)  # unnamed: the floor
+    assert floor.admit("t", 15) == ("t", 15)
+    with pytest.raises(ValueError, match="more urgent"):
+        floor.admit("t", 9)
+    assert Principal("any").admit("t", None) == ("t", 0)
+    assert Principal("urgent", min_priority=-3).admit("t", None) == ("t", 0)
 
 
 @pytest.mark.parametrize(

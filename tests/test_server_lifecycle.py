@@ -24,13 +24,14 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
 class ServeProcess:
-    def __init__(self, model: Path, *extra: str) -> None:
+    def __init__(self, model: Path, *extra: str, own_group: bool = False) -> None:
         cmd = [
             sys.executable, "-m", "async_engine.cli.main", "serve", "--model", str(model),
             "--dtype", "float32", "--device", "cpu", "--port", "0", "--metrics-port", "-1",
             "--http-port", "0", "--num-kv-blocks", "128", "--device-threads", "1", *extra,
         ]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=own_group)  # fmt: skip
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -62,6 +63,18 @@ async def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(
     tiny_model: Path,
 ) -> None:
     serve = ServeProcess(tiny_model, "--drain-timeout", "30")
+    await _drains_on(serve, lambda: serve.proc.send_signal(signal.SIGTERM))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+async def test_a_signal_to_the_whole_process_group_drains_too(tiny_model: Path, sig) -> None:
+    """Ctrl-C in a terminal, `timeout` and service managers signal every process of the
+    group, the device's included: it must outlive the drain, not end the streams."""
+    serve = ServeProcess(tiny_model, "--drain-timeout", "30", own_group=True)
+    await _drains_on(serve, lambda: os.killpg(serve.proc.pid, sig))
+
+
+async def _drains_on(serve: ServeProcess, send_signal) -> None:
     try:
         ready = await asyncio.to_thread(serve.wait_for, "server.ready")
         address = f"127.0.0.1:{ready['port']}"
@@ -79,7 +92,7 @@ async def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(
 
             task = asyncio.create_task(in_flight())
             await asyncio.wait_for(first.wait(), 30)
-            serve.proc.send_signal(signal.SIGTERM)
+            send_signal()
             await asyncio.to_thread(serve.wait_for, "server.draining")
             assert await health_status(address) == health_pb2.HealthCheckResponse.NOT_SERVING
             with pytest.raises(Unavailable) as info:

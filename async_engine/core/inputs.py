@@ -86,6 +86,7 @@ class InputBuilder:
 
     def check_text_fits(self, text: str, truncate: bool = False) -> None:
         """Refuse, before tokenizing, text too long for the context whatever its tokens."""
+        _check_unicode(text, "prompt")
         fits = self.limits.max_model_len * self._need_tokenizer("prompt").max_token_chars
         if len(text) > fits and not truncate:
             raise ValueError(f"prompt: {len(text)} characters cannot fit the context of "
@@ -97,6 +98,9 @@ class InputBuilder:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         chars = sum(_text_chars(m.get("content")) for m in messages if isinstance(m, dict))
+        for i, m in enumerate(messages):
+            if isinstance(m, dict) and isinstance(m.get("content"), str):
+                _check_unicode(m["content"], f"messages[{i}].content")
         fits = self.limits.max_model_len * self._need_tokenizer("messages").max_token_chars
         if chars > fits:
             raise ValueError(f"messages: {chars} characters of content cannot fit the context "
@@ -172,3 +176,11 @@ def _text_chars(content: Any) -> int:
         return sum(len(p["text"]) for p in content if isinstance(p, dict)
                    and isinstance(p.get("text"), str))  # fmt: skip
     return 0
+
+
+def _check_unicode(text: str, field: str) -> None:
+    """A lone UTF-16 surrogate ("\\ud800") is a Python string but no text a tokenizer takes."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{field} is not valid Unicode: {exc.reason} at {exc.start}") from None

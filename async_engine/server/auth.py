@@ -55,6 +55,15 @@ class Principal:
             raise NotAllowed("tenant", f"tenant {tenant[:64]!r} is not allowed for this token")
         return tenant
 
+    def admit(self, tenant: str, priority: int | None) -> tuple[str, int]:
+        """The tenant and priority a request runs with, the same on every front end; a
+        request that names no priority (an OpenAI client never does) runs at the floor.
+        NotAllowed names the field a request may not have."""
+        if priority is None:
+            priority = max(0, self.min_priority) if self.min_priority is not None else 0
+        self.check_priority(priority)
+        return self.tenant_for(tenant), priority
+
     def check_priority(self, priority: int) -> None:
         if self.min_priority is not None and priority < self.min_priority:
             raise NotAllowed(

@@ -117,8 +117,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             sub.tenant = tenant_header
         if principal is not None:
             try:
-                sub.tenant = principal.tenant_for(sub.tenant)
-                principal.check_priority(sub.priority)
+                sub.tenant, sub.priority = principal.admit(sub.tenant, sub.priority)
             except NotAllowed as exc:
                 raise permission_denied(str(exc), exc.field) from None
         try:

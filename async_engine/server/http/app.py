@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,10 @@ from async_engine.server.http.errors import HttpError, bad_request
 from async_engine.server.http.generate import OpenAIGeneration
 from async_engine.server.http.protocol import chat_request, completion_request
 from async_engine.server.stalls import StalledStreams
+
+# JSON can carry a surrogate code point only as a \uD800-\uDFFF escape, or as the CESU-8
+# bytes json.loads lets through (ED A0..BF): Python strings hold it, no tokenizer takes it.
+_MAY_HOLD_SURROGATE = re.compile(rb"\\u[dD][89abAB]|\xed[\xa0-\xbf]")
 
 if TYPE_CHECKING:
     from async_engine.server.app import GenerationServer
@@ -99,9 +104,10 @@ class OpenAIApp:
                                   "characters", "user")  # fmt: skip
             if principal is not None:
                 try:
-                    sub.user = principal.tenant_for(sub.user)
+                    sub.user, sub.priority = principal.admit(sub.user, sub.priority)
                 except NotAllowed as exc:
-                    raise HttpError(403, str(exc), "user", "permission_denied") from None
+                    field = "user" if exc.field == "tenant" else exc.field
+                    raise HttpError(403, str(exc), field, "permission_denied") from None
             if sub.model not in self.model_names:
                 raise HttpError(404, f"model {sub.model!r} is not served here", "model",
                                 "model_not_found")  # fmt: skip
@@ -154,10 +160,20 @@ class OpenAIApp:
             if size > self.max_body_bytes:
                 raise HttpError(413, f"request body over {self.max_body_bytes} bytes")
             chunks.append(chunk)
+        raw = b"".join(chunks)
         try:
-            return json.loads(b"".join(chunks))
+            body = json.loads(raw)
+        except RecursionError:
+            raise bad_request("the body nests too deeply", None) from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise bad_request(f"the body is not valid JSON: {exc}", None) from None
+        if _MAY_HOLD_SURROGATE.search(raw):  # rare: only then pay for a second pass
+            try:
+                json.dumps(body, ensure_ascii=False).encode()
+            except UnicodeEncodeError:
+                raise bad_request("the body holds a lone UTF-16 surrogate: a string that is "
+                                  "not valid Unicode", None) from None  # fmt: skip
+        return body
 
     def _authorize(self, request: Request) -> Principal | None:
         """The caller's principal (None without auth); HttpError 401 for a bad token."""

@@ -48,7 +48,8 @@ class OpenAIGeneration:
         sub = self.sub
         # A whole (non-streamed) answer wants its output once, at the end; until then its
         # client has seen nothing, so a lost device can start it over.
-        options: dict[str, Any] = {"tenant": sub.user, "stream": sub.stream}
+        options: dict[str, Any] = {"tenant": sub.user, "stream": sub.stream,
+                                   "priority": sub.priority or 0}  # fmt: skip
         prompt = sub.prompt
         if sub.messages is not None:  # not templated yet (the app templates off the loop)
             options["messages"] = sub.messages

@@ -47,6 +47,7 @@ class HttpSubmission:
     user: str
     top_logprobs: int | None  # chat: top-n per token when logprobs were asked for
     tools: ToolSpec | None = None  # chat: tool calls constrained to the tools' schemas
+    priority: int | None = None  # vLLM's extension; lower runs sooner (None: the default)
 
 
 def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
@@ -165,7 +166,16 @@ def completion_request(body: dict[str, Any], limits: Limits = DEFAULT_LIMITS) ->
     max_tokens = _get(body, "max_tokens", (int,), 16)
     logprobs = _get(body, "logprobs", (int,), None)
     params = _params(body, max_tokens, logprobs, structured_output(body, limits), limits)
-    return HttpSubmission(model, prompt, None, params, stream, include_usage, user, None)
+    sub = HttpSubmission(model, prompt, None, params, stream, include_usage, user, None)
+    sub.priority = _priority(body)
+    return sub
+
+
+def _priority(body: dict[str, Any]) -> int | None:
+    priority = _get(body, "priority", (int,), None)
+    if priority is not None and not -(2**31) <= priority < 2**31:
+        raise bad_request("priority must be a 32-bit integer", "priority")
+    return priority
 
 
 def chat_request(body: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> HttpSubmission:
@@ -207,6 +217,7 @@ def chat_request(body: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> HttpS
     params = _params(body, max_tokens, (top or 0) if wants else None, structured, limits)
     sub = HttpSubmission(model, None, messages, params, stream, include_usage, user, top)
     sub.tools = tools
+    sub.priority = _priority(body)
     return sub
 
 
