@@ -4,6 +4,7 @@ a long chat must not freeze the other streams, on either front end."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from pathlib import Path
@@ -189,3 +190,60 @@ def test_fuzzed_http_bodies_get_an_answer_or_a_4xx_never_a_5xx(server, chat, bod
     body = {"model": "default", **body, "stream": False, "max_tokens": 2}
     answer = httpx.post(_url(server, path), json=body, timeout=60)
     assert answer.status_code < 500, answer.text
+
+
+# ------------------------------------------------------------------ slow clients
+@pytest.fixture(scope="module")
+def strict_server(default_model: Path):
+    options = ServerOptions(port=0, metrics_port=None, http_port=0, http_header_timeout_s=0.5,
+                            http_body_timeout_s=0.5)  # fmt: skip
+    srv = start_server(default_model, options, device="sim", dtype="bfloat16", sim_step_ms=0.2,
+                       sim_token_us=0, sim_seq_us=0, sim_ctx_ns=0, num_kv_blocks=64)  # fmt: skip
+    yield srv
+    srv.close()
+
+
+def _socket(server: BackgroundServer) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.server.http_port), timeout=10)
+
+
+def test_a_client_sending_its_headers_a_byte_at_a_time_is_cut_off(strict_server):
+    start = time.monotonic()
+    with _socket(strict_server) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        closed = False
+        for byte in b"X-Slow: " + b"a" * 40:  # 0.1 s a byte: 4 s if nobody stops it
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:  # the server closed the socket
+                closed = True
+                break
+            time.sleep(0.1)
+            sock.setblocking(False)
+            try:
+                if sock.recv(1) == b"":
+                    closed = True
+                    break
+            except BlockingIOError:
+                pass
+            finally:
+                sock.setblocking(True)
+    assert closed and time.monotonic() - start < 2.5
+
+
+def test_a_body_that_never_ends_is_a_408(strict_server):
+    with _socket(strict_server) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                     b'{"model": "default", ')  # fmt: skip
+        start = time.monotonic()
+        reply = sock.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 408") and time.monotonic() - start < 2.5
+
+
+def test_a_client_within_the_timeouts_is_served_and_kept_alive(strict_server):
+    with httpx.Client(base_url=_url(strict_server, ""), timeout=10) as client:
+        for _ in range(3):  # one connection: the deadline re-arms after each response
+            body = {"model": "default", "prompt": [5, 6, 7], "max_tokens": 2}
+            assert client.post("/v1/completions", json=body).status_code == 200
+            time.sleep(0.3)

@@ -38,6 +38,18 @@ def add_parser(sub: Any) -> None:
         "--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API port (0: off)"
     )
     p.add_argument("--http-host", default=None, help="HTTP bind address (default: --host)")
+    p.add_argument(
+        "--http-header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection has to send a request's headers (slowloris)",
+    )
+    p.add_argument(
+        "--http-body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request has to send its body, once its headers are in",
+    )
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
     p.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
     p.add_argument(
@@ -97,6 +109,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limits=Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)}),
         http_port=args.http_port or None,
         http_host=args.http_host,
+        http_header_timeout_s=args.http_header_timeout,
+        http_body_timeout_s=args.http_body_timeout,
     )
     # The engine starts its device process before the loop exists (construction blocks).
     engine = AsyncEngine(**engine_options(args))

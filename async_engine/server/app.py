@@ -55,6 +55,8 @@ class ServerOptions:
     warmup: bool = True
     http_port: int | None = None  # the OpenAI-compatible HTTP API; None: off, 0: any free port
     http_host: str | None = None  # default: ``host``
+    http_header_timeout_s: float = 10.0  # a request's headers must be whole in this time
+    http_body_timeout_s: float = 30.0  # and its body, once the headers are in
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -65,6 +67,9 @@ class ServerOptions:
             )
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        for name in ("http_header_timeout_s", "http_body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 class GenerationServer:
@@ -147,8 +152,9 @@ class GenerationServer:
                 from async_engine.server.http.app import OpenAIApp
                 from async_engine.server.http.server import HttpServer
 
-                self.http = HttpServer(OpenAIApp(self, opts.max_message_bytes).app,
-                                       opts.http_host or opts.host, opts.http_port)  # fmt: skip
+                app = OpenAIApp(self, opts.max_message_bytes, opts.http_body_timeout_s).app
+                self.http = HttpServer(app, opts.http_host or opts.host, opts.http_port,
+                                       opts.http_header_timeout_s)  # fmt: skip
                 await self.http.start()
                 self.http_port = self.http.port
         except BaseException:

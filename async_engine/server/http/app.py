@@ -36,10 +36,13 @@ if TYPE_CHECKING:
 
 
 class OpenAIApp:
-    def __init__(self, server: GenerationServer, max_body_bytes: int = 4 << 20) -> None:
+    def __init__(
+        self, server: GenerationServer, max_body_bytes: int = 4 << 20, body_timeout_s: float = 30.0
+    ) -> None:
         self.server = server
         self.engine = server.engine
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self.principals = server.principals
         self.model_names = {"default", str(self.engine.config.model)}
         self.app = Starlette(routes=[
@@ -155,11 +158,16 @@ class OpenAIApp:
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             raise HttpError(413, f"request body over {self.max_body_bytes} bytes")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise HttpError(413, f"request body over {self.max_body_bytes} bytes")
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.body_timeout_s):  # a body that never ends
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > self.max_body_bytes:
+                        raise HttpError(413, f"request body over {self.max_body_bytes} bytes")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise HttpError(408, f"the request body did not arrive within {self.body_timeout_s} s",
+                            None, "request_timeout") from None  # fmt: skip
         raw = b"".join(chunks)
         try:
             body = json.loads(raw)

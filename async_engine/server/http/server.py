@@ -8,6 +8,7 @@ import socket
 from collections.abc import Iterator
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from async_engine.server.start import ServerStartError
 
@@ -19,10 +20,53 @@ class _Server(uvicorn.Server):
         yield
 
 
+class _HeaderDeadline(H11Protocol):
+    """Closes a connection whose request headers are not whole ``header_timeout_s`` after it
+    opened or after its previous response: a client sending a header byte a second would
+    otherwise hold its socket (and a slot of the accept backlog) forever."""
+
+    header_timeout_s = 10.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._waiting_cycle = self.cycle
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.cycle is not self._waiting_cycle and self._deadline is not None:
+            self._deadline.cancel()  # the headers are in: a request cycle began
+            self._deadline = None
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._waiting_cycle = self.cycle
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def _headers_late(self) -> None:
+        self._deadline = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
 class HttpServer:
-    def __init__(self, app: object, host: str, port: int) -> None:
+    def __init__(self, app: object, host: str, port: int, header_timeout_s: float = 10.0) -> None:
+        protocol = type(
+            "HeaderDeadline", (_HeaderDeadline,), {"header_timeout_s": header_timeout_s}
+        )
         config = uvicorn.Config(app, host=host, port=port, loop="none", lifespan="off",
-                                log_level="warning", access_log=False)  # fmt: skip
+                                log_level="warning", access_log=False, http=protocol)  # fmt: skip
         self._server = _Server(config)
         self._task: asyncio.Task | None = None
 
