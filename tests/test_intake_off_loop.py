@@ -247,3 +247,18 @@ def test_a_client_within_the_timeouts_is_served_and_kept_alive(strict_server):
             body = {"model": "default", "prompt": [5, 6, 7], "max_tokens": 2}
             assert client.post("/v1/completions", json=body).status_code == 200
             time.sleep(0.3)
+
+
+@pytest.mark.parametrize("raw", [b"5", b"[1, 2]", b'"tools"', b"null"], ids=str)
+def test_a_body_that_is_not_an_object_is_a_400(server, raw):
+    answer = _post_raw(server, "/v1/chat/completions", raw)
+    assert answer.status_code == 400 and "JSON object" in answer.json()["error"]["message"]
+
+
+def test_more_tools_than_openai_allows_are_refused_naming_tools(server):
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object"}}} for i in range(129)]  # fmt: skip
+    body = {"model": "default", "messages": [{"role": "user", "content": "a"}], "tools": tools}
+    answer = httpx.post(_url(server, "/v1/chat/completions"), json=body, timeout=60)
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "tools" and "128" in answer.json()["error"]["message"]

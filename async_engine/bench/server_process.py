@@ -31,7 +31,7 @@ def spawn_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, int |
         "--metrics-port",
         "0",
         "--http-port",
-        str(_free_port()) if args.backend == "openai" else "0",
+        str(_free_port()) if args.backend == "openai" or getattr(args, "http", False) else "0",
     ]
     cmd += engine_argv(engine_options(args))
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
@@ -40,6 +40,7 @@ def spawn_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, int |
         with contextlib.suppress(json.JSONDecodeError):
             record = json.loads(line)
             if record.get("event") == "server.ready":
+                proc.ready = record  # type: ignore[attr-defined]  # its ports, for callers
                 # Keep reading, or a full stderr pipe would one day block the server.
                 threading.Thread(target=proc.stderr.read, daemon=True).start()
                 if args.backend == "openai":

@@ -5,10 +5,8 @@ GPU-speed steps cost nothing), runs ``--concurrency`` clients for ``--minutes`` 
 prompts with shared prefixes, random lengths, ``--cancel-fraction`` of them dropped
 mid-stream), samples the RSS of the server and its device process, and prints leaked KV
 blocks, ghost requests and streams (engine state with no live RPC), RSS growth after
-warm-up and errors by status code. ``--hostile`` then measures what cheap hostile requests
-cost everyone else (a 4-token request's latency alone, and beside 4 MB prompts, long
-prompts tokenized off the loop, maximal stop lists) and the server's RSS while 24 streams
-with logprobs are never read.
+warm-up and errors by status code. ``--hostile`` then measures what hostile clients cost
+everyone else (see ``bench.hostile``).
 """
 
 from __future__ import annotations
@@ -19,9 +17,7 @@ import contextlib
 import os
 import random
 import signal
-import statistics
 import subprocess
-import sys
 import time
 from collections import Counter
 from typing import Any
@@ -216,113 +212,29 @@ async def _kill_devices(client: Any, count: int, seconds: float, server: Any) ->
     return timings
 
 
-async def _latency(client: Any, count: int = 15) -> float:
-    """Median seconds of a 4-token greedy request."""
-    times = []
-    for _ in range(count):
-        start = time.perf_counter()
-        async for _ in client.generate([7, 8, 9, 10], max_tokens=4, temperature=0.0,
-                                       ignore_eos=True):  # fmt: skip
-            pass
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+async def _hostile(address: str, http_port: int | None, server: Any) -> None:
+    from async_engine.bench import hostile
 
-
-async def _beside(client: Any, hostile: Any) -> float:
-    """The 4-token latency while ``hostile()`` runs in a loop."""
-    stop = asyncio.Event()
-
-    async def loop() -> None:
-        while not stop.is_set():
-            with contextlib.suppress(Exception):
-                await hostile()
-
-    tasks = [asyncio.create_task(loop()) for _ in range(2)]
-    await asyncio.sleep(0.2)
-    try:
-        return await _latency(client)
-    finally:
-        stop.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-UNREAD_CLIENT = """
-import os, signal, sys
-from async_engine.client import Client
-client = Client(sys.argv[1])
-streams = [client.generate([5, 6, 7, i + 8], max_tokens=4000, ignore_eos=True, logprobs=20)
-           for i in range(24)]
-for stream in streams:
-    next(stream)  # the RPC is open and streaming; nothing more is ever read
-print("opened", flush=True)
-os.kill(os.getpid(), signal.SIGSTOP)
-"""
-
-
-async def _hostile(address: str, server: Any) -> None:
-    from async_engine.client import AsyncClient
-
-    async with AsyncClient(address) as client:
-        alone = await _latency(client)
-
-        async def huge() -> None:
-            async for _ in client.generate("x" * (4 << 20), max_tokens=1):
-                pass
-
-        async def long_text() -> None:
-            async for _ in client.generate("word " * 20_000, max_tokens=1):
-                pass
-
-        stops = [f"{i:03d}" + "s" * 60 for i in range(64)]  # the maximum: 64 strings, 4 KiB
-
-        async def many_stops() -> None:
-            async for _ in client.generate([5, 6, 7], max_tokens=256, stop=stops, ignore_eos=True):
-                pass
-
-        async def no_stops() -> None:  # the control: the same generation, no stop strings
-            async for _ in client.generate([5, 6, 7], max_tokens=256, ignore_eos=True):
-                pass
-
-        rows = [{"beside": "nothing", "4-token latency ms": round(1000 * alone, 1), "ratio": 1.0}]
-        for name, hostile in (("4 MB prompts", huge), ("100k-char prompts", long_text),
-                              ("64 stop strings x 256 tokens", many_stops),
-                              ("the same 256 tokens, no stop strings", no_stops)):  # fmt: skip
-            took = await _beside(client, hostile)
-            rows.append({"beside": name, "4-token latency ms": round(1000 * took, 1),
-                         "ratio": round(took / alone, 2)})  # fmt: skip
-        print("\nhostile neighbours (2 clients in a loop each), median of 15:")
-        print_rows(rows)
-
-    before = rss_mb(server.pid)
-    proc = subprocess.Popen([sys.executable, "-c", UNREAD_CLIENT, address],
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        proc.stdout.readline()
-        peak = before
-        for _ in range(40):
-            await asyncio.sleep(0.25)
-            peak = max(peak, rss_mb(server.pid))
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    await asyncio.sleep(1.0)
-    print(f"\n24 streams with logprobs=20, never read: server RSS {before:.0f} MB -> peak "
-          f"{peak:.0f} MB ({peak - before:+.0f} MB; budget 16 MiB a stream, 512 MiB in all), "
-          f"{rss_mb(server.pid):.0f} MB after")  # fmt: skip
+    rows = await hostile.run(address, http_port, server, rss_mb)
+    print(
+        "\nhostile neighbours (2 clients in a loop each); 4-token latency median of 15, "
+        "worst event-loop stall from GetLoad polled every 50 ms:"
+    )
+    print_rows(rows)
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
     from async_engine.bench.server_process import spawn_server
 
     args.backend = "grpc"
+    args.http = args.hostile  # the hostile checks speak HTTP too
     server, address, metrics_port = spawn_server(args)
     try:
         status = 0
         if args.minutes > 0:
             status = asyncio.run(_soak(args, address, metrics_port, server))
         if args.hostile:
-            asyncio.run(_hostile(address, server))
+            asyncio.run(_hostile(address, server.ready.get("http_port"), server))
         return status
     finally:
         server.send_signal(signal.SIGTERM)

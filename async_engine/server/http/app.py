@@ -29,6 +29,7 @@ from async_engine.server.stalls import StalledStreams
 
 # JSON can carry a surrogate code point only as a \uD800-\uDFFF escape, or as the CESU-8
 # bytes json.loads lets through (ED A0..BF): Python strings hold it, no tokenizer takes it.
+OFF_LOOP_BYTES = 64 << 10  # bodies this big are parsed on a worker thread
 _MAY_HOLD_SURROGATE = re.compile(rb"\\u[dD][89abAB]|\xed[\xa0-\xbf]")
 
 if TYPE_CHECKING:
@@ -98,9 +99,15 @@ class OpenAIApp:
             principal = self._authorize(request)
             if self.server.service.draining:
                 raise HttpError(503, "server is draining; retry on another replica")
-            body = await self._json(request)
+            body, size = await self._json(request)
             limits = self.server.options.limits
-            sub = chat_request(body, limits) if chat else completion_request(body, limits)
+            parse = chat_request if chat else completion_request
+            costly = isinstance(body, dict) and ("tools" in body or "response_format" in body)
+            if size > OFF_LOOP_BYTES or costly:
+                # Schema checks and long contents cost milliseconds: not on the shared loop.
+                sub = await asyncio.to_thread(parse, body, limits)
+            else:
+                sub = parse(body, limits)
             sub.user = sub.user or request.headers.get("x-tenant", "")
             if len(sub.user) > limits.max_tenant_chars:
                 raise bad_request(f"user (the tenant) is longer than {limits.max_tenant_chars} "
@@ -153,7 +160,8 @@ class OpenAIApp:
                 task.cancel()
             gen.release()
 
-    async def _json(self, request: Request) -> Any:
+    async def _json(self, request: Request) -> tuple[Any, int]:
+        """The body parsed, and its size in bytes."""
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             raise HttpError(413, f"request body over {self.max_body_bytes} bytes")
@@ -169,19 +177,9 @@ class OpenAIApp:
             raise HttpError(408, f"the request body did not arrive within {self.body_timeout_s} s",
                             None, "request_timeout") from None  # fmt: skip
         raw = b"".join(chunks)
-        try:
-            body = json.loads(raw)
-        except RecursionError:
-            raise bad_request("the body nests too deeply", None) from None
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise bad_request(f"the body is not valid JSON: {exc}", None) from None
-        if _MAY_HOLD_SURROGATE.search(raw):  # rare: only then pay for a second pass
-            try:
-                json.dumps(body, ensure_ascii=False).encode()
-            except UnicodeEncodeError:
-                raise bad_request("the body holds a lone UTF-16 surrogate: a string that is "
-                                  "not valid Unicode", None) from None  # fmt: skip
-        return body
+        if len(raw) > OFF_LOOP_BYTES:
+            return await asyncio.to_thread(_parse_json, raw), len(raw)
+        return _parse_json(raw), len(raw)
 
     def _authorize(self, request: Request) -> Principal | None:
         """The caller's principal (None without auth); HttpError 401 for a bad token."""
@@ -216,3 +214,19 @@ async def _released(gen: OpenAIGeneration, stalls: StalledStreams) -> AsyncItera
         yield f"data: {json.dumps({'error': {'message': exc.message, 'code': exc.code}})}\n\n"
     finally:
         gen.release()
+
+
+def _parse_json(raw: bytes) -> Any:
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise bad_request("the body nests too deeply", None) from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the body is not valid JSON: {exc}", None) from None
+    if _MAY_HOLD_SURROGATE.search(raw):  # rare: only then pay for a second pass
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise bad_request("the body holds a lone UTF-16 surrogate: a string that is "
+                              "not valid Unicode", None) from None  # fmt: skip
+    return body
