@@ -115,15 +115,35 @@ def test_a_chat_whose_text_cannot_fit_is_refused_before_templating(server):
          "tools": [{"type": "function", "function": {"name": "f", "description": "d" * (1 << 18),
                                                       "parameters": {"type": "object"}}}]},
          "tools"),
+        ("/v1/completions", {"prompt": "a", "stop": ["s"] * 65}, "stop"),
+        ("/v1/completions", {"prompt": "a", "stop": ["s" * 4097]}, "stop"),
+        ("/v1/completions", {"prompt": "a", "stop_token_ids": [1] * 257}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "a", "n": 17}, "n"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}] * 1025},
+         "messages"),
+        ("/v1/completions", {"prompt": "a", "user": "u" * 129}, "user"),
     ],
-    ids=["text", "token-ids", "chat", "regex", "schema", "tools"],
+    ids=["text", "token-ids", "chat", "regex", "schema", "tools", "stop-count", "stop-chars",
+         "stop-ids", "n", "message-count", "tenant"],
 )  # fmt: skip
 def test_http_applies_the_servers_size_limits(server, path, body, param):
     answer = httpx.post(_url(server, path), json={"model": "default", **body}, timeout=60)
     assert answer.status_code == 400
     error = answer.json()["error"]
     assert error["param"] == param
-    assert "longer than" in error["message"] or "more than" in error["message"]
+    assert any(w in error["message"] for w in ("longer than", "more than", "at most"))
+
+
+def test_http_refuses_a_request_id_longer_than_the_limit(server):
+    body = {"model": "default", "prompt": "a", "max_tokens": 1}
+    answer = httpx.post(_url(server, "/v1/completions"), json=body, timeout=60,
+                        headers={"x-request-id": "r" * 257})  # fmt: skip
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "x-request-id"
+
+
+def test_http_takes_stop_token_ids(server):
+    body = {"model": "default", "prompt": [5, 6], "max_tokens": 8, "stop_token_ids": [7]}
+    assert httpx.post(_url(server, "/v1/completions"), json=body, timeout=60).status_code == 200
 
 
 # ------------------------------------------------------------------ odd bodies: 4xx, never 5xx

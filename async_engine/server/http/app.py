@@ -131,8 +131,11 @@ class OpenAIApp:
                 field = "response_format" if text.startswith("structured_output") else "prompt"
                 field = "messages" if text.startswith("messages") else field
                 raise bad_request(text, field) from None
-            gen = OpenAIGeneration(self.engine, sub, chat, request.headers.get("x-request-id"),
-                                   principal)  # fmt: skip
+            request_id = request.headers.get("x-request-id")
+            if request_id is not None and len(request_id) > limits.max_request_id_chars:
+                raise bad_request(f"x-request-id is longer than {limits.max_request_id_chars} "
+                                  "characters", "x-request-id")  # fmt: skip
+            gen = OpenAIGeneration(self.engine, sub, chat, request_id, principal)
             gen.submit()
         except HttpError as exc:
             return exc.response()

@@ -129,6 +129,14 @@ def _params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
     n = values.get("n", 1)
     if isinstance(n, int) and not isinstance(n, bool) and n > limits.max_n:
         raise bad_request(f"n must be at most {limits.max_n}, got {n}", "n")
+    stop_ids = body.get("stop_token_ids")  # vLLM's extension
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list):
+            raise bad_request("stop_token_ids must be a list of token ids", "stop_token_ids")
+        if len(stop_ids) > limits.max_stop_token_ids:
+            raise bad_request(f"stop_token_ids has more than {limits.max_stop_token_ids} ids",
+                              "stop_token_ids")  # fmt: skip
+        values["stop_token_ids"] = tuple(stop_ids)
     try:
         return SamplingParams(**values)
     except (TypeError, ValueError) as exc:
