@@ -282,3 +282,26 @@ def test_more_tools_than_openai_allows_are_refused_naming_tools(server):
     answer = httpx.post(_url(server, "/v1/chat/completions"), json=body, timeout=60)
     assert answer.status_code == 400
     assert answer.json()["error"]["param"] == "tools" and "128" in answer.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("content_type", "status"),
+    [("text/plain", 415), ("application/x-www-form-urlencoded", 415),
+     ("application/json; charset=utf-8", 200), (None, 200)],
+)  # fmt: skip
+def test_only_json_bodies_are_read_as_json(server, content_type, status):
+    raw = b'{"model": "default", "prompt": [5, 6], "max_tokens": 1}'
+    headers = {"content-type": content_type} if content_type else {}
+    with httpx.Client(timeout=60) as client:
+        request = client.build_request("POST", _url(server, "/v1/completions"), content=raw,
+                                       headers=headers)  # fmt: skip
+        if content_type is None and "content-type" in request.headers:
+            del request.headers["content-type"]
+        assert client.send(request).status_code == status
+
+
+def test_a_request_id_that_is_not_ascii_is_refused_not_echoed_garbled(server):
+    body = {"model": "default", "prompt": "a", "max_tokens": 1}
+    answer = httpx.post(_url(server, "/v1/completions"), json=body, timeout=60,
+                        headers={"x-request-id": "caf\xe9".encode("latin-1")})  # fmt: skip
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "x-request-id"

@@ -29,6 +29,7 @@ from async_engine.server.stalls import StalledStreams
 
 # JSON can carry a surrogate code point only as a \uD800-\uDFFF escape, or as the CESU-8
 # bytes json.loads lets through (ED A0..BF): Python strings hold it, no tokenizer takes it.
+JSON_TYPES = ("application/json", "*/*", "")  # no Content-Type at all is taken as JSON
 OFF_LOOP_BYTES = 64 << 10  # bodies this big are parsed on a worker thread
 _MAY_HOLD_SURROGATE = re.compile(rb"\\u[dD][89abAB]|\xed[\xa0-\xbf]")
 
@@ -99,6 +100,10 @@ class OpenAIApp:
             principal = self._authorize(request)
             if self.server.service.draining:
                 raise HttpError(503, "server is draining; retry on another replica")
+            kind = request.headers.get("content-type", "application/json").split(";")[0]
+            if kind.strip().lower() not in JSON_TYPES:
+                raise HttpError(415, f"Content-Type must be application/json, got {kind[:64]!r}",
+                                None, "unsupported_media_type")  # fmt: skip
             body, size = await self._json(request)
             limits = self.server.options.limits
             parse = chat_request if chat else completion_request
@@ -135,6 +140,9 @@ class OpenAIApp:
             if request_id is not None and len(request_id) > limits.max_request_id_chars:
                 raise bad_request(f"x-request-id is longer than {limits.max_request_id_chars} "
                                   "characters", "x-request-id")  # fmt: skip
+            if request_id is not None and not (request_id.isascii() and request_id.isprintable()):
+                # Header bytes arrive as latin-1: anything else would be echoed garbled.
+                raise bad_request("x-request-id must be printable ASCII", "x-request-id")
             gen = OpenAIGeneration(self.engine, sub, chat, request_id, principal)
             gen.submit()
         except HttpError as exc:
