@@ -167,3 +167,29 @@ def test_a_busy_port_is_named_and_the_server_exits_2(flag: str):
     assert proc.returncode == 2
     assert f"127.0.0.1:{port}" in proc.stderr and "server.start_failed" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+
+
+async def test_refused_4_mb_messages_leave_no_memory_behind(tiny_model: Path) -> None:
+    from async_engine.client import ResourceExhausted
+
+    serve = ServeProcess(tiny_model)
+    try:
+        ready = await asyncio.to_thread(serve.wait_for, "server.ready")
+        async with AsyncClient(f"127.0.0.1:{ready['port']}") as client:
+            await collect(client, [5, 6, 7], max_tokens=2)
+            before = _rss_mb(serve.proc.pid)
+            for _ in range(20):
+                with pytest.raises(ResourceExhausted):
+                    await collect(client, "x" * (4 << 20), max_tokens=1)
+            await asyncio.sleep(1.0)
+            grown = _rss_mb(serve.proc.pid) - before
+        assert grown < 20, f"RSS grew {grown:.0f} MB (glibc kept the refused buffers)"
+    finally:
+        serve.proc.send_signal(signal.SIGTERM)
+        if await asyncio.to_thread(serve.proc.wait, 30) is None:
+            serve.proc.kill()

@@ -272,5 +272,26 @@ async def unread_streams(address: str, server: Any, rss_mb: Callable) -> dict:
             "ratio": None, "worst loop stall ms": None}  # fmt: skip
 
 
-if __name__ == "__main__":  # one hostile kind in loops, until killed (see ``beside``)
-    asyncio.run(_hostile_loops(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
+async def _mix(address: str, http_port: int) -> None:
+    """Every hostile kind in turn, forever: the background of a soak (see ``during``)."""
+    from async_engine.client import AsyncClient
+
+    async with AsyncClient(address) as client:
+        kinds = {**grpc_kinds(client), **(http_kinds(http_port) if http_port else {})}
+        print("started", flush=True)
+        while True:
+            for hostile in kinds.values():
+                with contextlib.suppress(Exception):
+                    await hostile()
+
+
+def during(address: str, http_port: int | None) -> subprocess.Popen:
+    """Start the hostile mix beside a soak; the caller kills it when the soak ends."""
+    argv = [sys.executable, "-m", "async_engine.bench.hostile", "--mix", address,
+            str(http_port or 0), "1"]  # fmt: skip
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+
+
+if __name__ == "__main__":  # one hostile kind (or --mix: all in turn) until killed
+    kind, where, port, loops = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    asyncio.run(_mix(where, port) if kind == "--mix" else _hostile_loops(kind, where, port, loops))

@@ -5,8 +5,8 @@ GPU-speed steps cost nothing), runs ``--concurrency`` clients for ``--minutes`` 
 prompts with shared prefixes, random lengths, ``--cancel-fraction`` of them dropped
 mid-stream), samples the RSS of the server and its device process, and prints leaked KV
 blocks, ghost requests and streams (engine state with no live RPC), RSS growth after
-warm-up and errors by status code. ``--hostile`` then measures what hostile clients cost
-everyone else (see ``bench.hostile``).
+warm-up and errors by status code. ``--hostile`` runs every hostile kind of
+``bench.hostile`` in turn all through the soak, then measures what each costs everyone else.
 """
 
 from __future__ import annotations
@@ -150,10 +150,20 @@ async def _soak(args: argparse.Namespace, address: str, metrics_port: int, serve
                 samples.append((time.monotonic() - start, rss))
                 await asyncio.sleep(max(1.0, seconds / 60))
 
+        mix = None
+        if args.hostile:  # the hostile kinds in turn, all through the soak
+            from async_engine.bench import hostile
+
+            mix = hostile.during(address, server.ready.get("http_port"))
         sampler = asyncio.create_task(sample())
         killer = asyncio.create_task(_kill_devices(client, args.device_kills, seconds, server))
         started = time.monotonic()
-        await soak.run(seconds)
+        try:
+            await soak.run(seconds)
+        finally:
+            if mix is not None:
+                mix.kill()
+                mix.wait()
         elapsed = time.monotonic() - started
         sampler.cancel()
         kills = await killer

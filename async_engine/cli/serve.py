@@ -94,6 +94,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from async_engine.server.logs import configure_logging
 
     configure_logging(args.log_level)
+    _return_large_frees_to_the_os()
     token = args.auth_token if args.auth_token is not None else os.environ.get(AUTH_ENV) or None
     options = ServerOptions(
         host=args.host,
@@ -128,6 +129,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     return 1 if stopped_for_good else 0
+
+
+def _return_large_frees_to_the_os() -> None:
+    """glibc raises its mmap threshold each time a large block is freed, so after a few
+    refused 4 MB messages such buffers come from the heap and their memory stays with the
+    process (measured: +35 MB RSS after 20 of them, +4 MB with a fixed 1 MiB threshold)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "mallopt"):
+            libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: fixed, not adaptive
+    except OSError:
+        pass  # not glibc: nothing to tune
 
 
 async def _serve(engine: Any, options: Any) -> bool:
