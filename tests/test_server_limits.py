@@ -139,3 +139,37 @@ async def test_failed_step_is_internal_and_the_server_keeps_serving(client: Asyn
     t = await collect(client, [1, 2, 3], max_tokens=4, **GREEDY)
     check_stream_rules(t)
     assert t.finished[0].completion_tokens == 4
+
+
+@pytest.mark.parametrize(
+    ("request_options", "field"),
+    [
+        ({"prompt": "x" * ((1 << 20) + 1)}, "text"),
+        ({"prompt": [1] * ((1 << 17) + 1)}, "token_ids.ids"),
+        ({"messages": [{"role": "user", "content": "x" * ((1 << 20) + 1)}]}, "chat.messages"),
+        ({"messages": [{"role": "user", "content": "a"}] * 1025}, "chat.messages"),
+        ({"prompt": "a", "request_id": "r" * 257}, "request_id"),
+        ({"prompt": "a", "tenant": "t" * 129}, "tenant"),
+        ({"prompt": "a", "n": 17}, "sampling.n"),
+        ({"prompt": "a", "stop": ["s"] * 65}, "stop.stop"),
+        ({"prompt": "a", "stop": ["s" * 4097]}, "stop.stop"),
+        ({"prompt": "a", "stop_token_ids": [1] * 257}, "stop.stop_token_ids"),
+        ({"prompt": "a", "structured_output": ("regex", "a" * ((1 << 18) + 1))},
+         "structured_output.regex"),
+    ],
+    ids=["text", "token-ids", "chat-chars", "chat-count", "request-id", "tenant", "n",
+         "stop-count", "stop-chars", "stop-ids", "structured"],
+)  # fmt: skip
+def test_grpc_refuses_each_limit_naming_its_field(request_options, field) -> None:
+    """The gRPC side of every limit HTTP applies too (tests/test_intake_off_loop.py)."""
+    from async_engine.client.grpc_client import build_request
+    from async_engine.server.codec import Limits, decode_request
+    from async_engine.server.errors import RpcFailure
+
+    options = dict(request_options)
+    msg = build_request(options.pop("prompt", None), **options)
+    with pytest.raises(RpcFailure) as info:
+        decode_request(msg, Limits())
+    assert info.value.code.name == "INVALID_ARGUMENT"
+    violations = info.value.details[0].field_violations
+    assert [v.field for v in violations] == [field]
