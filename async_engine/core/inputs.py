@@ -98,14 +98,14 @@ class InputBuilder:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         chars = sum(_text_chars(m.get("content")) for m in messages if isinstance(m, dict))
-        for i, m in enumerate(messages):
-            if isinstance(m, dict) and isinstance(m.get("content"), str):
-                _check_unicode(m["content"], f"messages[{i}].content")
         fits = self.limits.max_model_len * self._need_tokenizer("messages").max_token_chars
         if chars > fits:
             raise ValueError(f"messages: {chars} characters of content cannot fit the context "
                              f"of {self.limits.max_model_len} tokens (refused before "
                              "templating)")  # fmt: skip
+        for i, m in enumerate(messages):
+            if isinstance(m, dict) and isinstance(m.get("content"), str):
+                _check_unicode(m["content"], f"messages[{i}].content")
 
     def chat_ids(self, messages: Any, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The conversation templated and tokenized: slow for a long chat, so servers call it
