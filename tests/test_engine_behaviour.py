@@ -11,6 +11,7 @@ import pytest
 from faults import fail_on
 
 from async_engine import LLM, AsyncEngine, SamplingParams
+from async_engine.core.engine import EngineClosedError
 from async_engine.core.request import FinishReason
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -397,3 +398,14 @@ def test_a_prompt_that_is_not_valid_unicode_is_refused_naming_it(llm):
         llm.generate("\ud800x", GREEDY)
     with pytest.raises(ValueError, match=r"messages\[0\].content is not valid Unicode"):
         llm.chat([{"role": "user", "content": "a\udfff"}], GREEDY)
+
+
+async def test_async_with_closes_the_engine_and_its_device(tiny_model):
+    async with AsyncEngine(model=str(tiny_model), dtype="float32", device="cpu",
+                           num_kv_blocks=64) as engine:  # fmt: skip
+        out = [d async for d in engine.generate([5, 6, 7], GREEDY)]
+        assert out[-1].finished
+        device = engine.device
+    assert not device.alive()
+    with pytest.raises(EngineClosedError):
+        engine.add_request([5, 6, 7], GREEDY)

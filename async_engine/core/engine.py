@@ -328,6 +328,12 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return EngineStats.collect(self)
 
+    async def __aenter__(self) -> AsyncEngine:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
     async def aclose(self) -> None:
         if self._closed:
             return

@@ -52,7 +52,8 @@ class Request:
     ``num_inflight`` the tokens sampled by launched steps whose outputs were not applied
     yet; a request has ``num_tokens + num_inflight - num_computed_tokens`` tokens to feed.
     ``num_tokens`` (prompt plus output) is kept as a counter, not recomputed, because the
-    scheduler reads it for every request on every step; ``add_output`` keeps it true.
+    scheduler reads it for every request on every step; the scheduler bumps it with each
+    output token it appends.
     """
 
     __slots__ = (
@@ -121,10 +122,6 @@ class Request:
         self.queue_deadline: float | None = None  # monotonic; must be admitted before
         self.time_deadline: float | None = None  # monotonic; ends with TIME_LIMIT after
 
-    def add_output(self, token: int) -> None:
-        self.output_ids.append(token)
-        self.num_tokens += 1
-
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
@@ -132,10 +129,6 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
-
-    def token_at(self, position: int) -> int:
-        n = len(self.prompt_ids)
-        return self.prompt_ids[position] if position < n else self.output_ids[position - n]
 
     def tokens_between(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_ids)
