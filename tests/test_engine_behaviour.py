@@ -409,3 +409,19 @@ async def test_async_with_closes_the_engine_and_its_device(tiny_model):
     assert not device.alive()
     with pytest.raises(EngineClosedError):
         engine.add_request([5, 6, 7], GREEDY)
+
+
+def test_stats_name_how_steps_are_planned(tiny_model, monkeypatch):
+    with LLM(str(tiny_model), dtype="float32", device="cpu", num_kv_blocks=64,
+             overlap=False) as sync:  # fmt: skip
+        sync.generate([prompt(5)], GREEDY)
+        assert sync.stats().planning_mode == "sync"
+    with LLM(str(tiny_model), dtype="float32", device="cpu", num_kv_blocks=64) as llm:
+        monkeypatch.setattr(
+            llm.engine, "PLAN_AFTER_STEP_BELOW", 0.0
+        )  # control plane: never a sliver
+        llm.generate([prompt(5)], GREEDY)
+        assert llm.stats().planning_mode == "overlap"
+        monkeypatch.setattr(llm.engine, "PLAN_AFTER_STEP_BELOW", 1e9)  # always a sliver
+        llm.generate([prompt(5)], GREEDY)
+        assert llm.stats().planning_mode == "after-step"

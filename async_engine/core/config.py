@@ -48,7 +48,11 @@ class EngineConfig:
     dtype: str = _opt("auto", "weights and activations (auto: bfloat16 where fast)", DTYPES)
     device: str = _opt("auto", "where steps run (sim: a modelled device, no weights)", DEVICES)
     load_format: str = _opt("auto", "dummy: random weights from config.json alone", LOAD_FORMATS)
-    overlap: bool = _opt(True, "plan step N+1 while step N runs (off: the synchronous twin)")
+    overlap: bool = _opt(
+        True, "plan step N+1 while step N runs, or, where the control plane is a sliver of a "
+        "step (a CPU), once N ends (waiting at most 1.25x its expected time); "
+        "stats().planning_mode says which; off: plan after each step, always",
+    )  # fmt: skip
     device_runner: str = _opt(
         "auto", "pipelined: streams, events, tokens kept on the device (auto: on CUDA)",
         DEVICE_RUNNERS,

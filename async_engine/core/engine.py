@@ -131,6 +131,10 @@ class AsyncEngine:
         self._step_s = 0.0  # moving average of the device's step time
         self.step_times = StepTimes()  # by step size: when to plan, when a step is hung
         self._step_started_at = 0.0  # when the step in flight began (about; control clock)
+        # How step N+1 is planned: "overlap" (while step N runs), "after-step" (once N ended,
+        # or at 1.25x its expected time: the control plane is a sliver of a step, as on a
+        # CPU) or "sync" (overlap off). Chosen per step from measurements; see stats().
+        self.planning_mode = "overlap" if config.overlap else "sync"
         # Control-plane work of recent steps; its median ignores a one-off slow step (the
         # first detokenization, a garbage collection).
         self._control_times: collections.deque[float] = collections.deque(maxlen=16)
@@ -489,12 +493,16 @@ class AsyncEngine:
         of ms), plan the next step once the one in flight has ended, or a quarter past its
         expected end if it runs over: a request arriving meanwhile rides the next step,
         not the one after, a whole step sooner, for at most 2 % more device idle. True if
-        the step ended first."""
+        the step ended first. Sets ``planning_mode`` to the mode it chose."""
         expected = self.step_times.predict(len(plan.input_ids))
         if expected is None or not self._control_times:
+            self.planning_mode = "overlap"
             return False
         if statistics.median(self._control_times) > self.PLAN_AFTER_STEP_BELOW * expected:
-            return False  # GPU-speed steps: plan at once, the queue ahead is what keeps it busy
+            # GPU-speed steps: plan at once, the queue ahead is what keeps it busy.
+            self.planning_mode = "overlap"
+            return False
+        self.planning_mode = "after-step"
         delay = self._step_started_at + 1.25 * expected - time.monotonic()
         if delay <= 0:
             return False

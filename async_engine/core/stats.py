@@ -107,6 +107,7 @@ class EngineStats:
     phase_mean_ms: dict[str, float]  # per occurrence (about once per step)
     device_state: str  # serving | restarting | failed
     device_restarts: int  # devices replaced after a loss, lifetime
+    planning_mode: str  # overlap | after-step | sync: how the last step was planned
 
     @classmethod
     def collect(cls, engine: AsyncEngine) -> EngineStats:
@@ -130,6 +131,7 @@ class EngineStats:
             phase_mean_ms=engine.phase_clock.mean_ms(),
             device_state=engine.device_state.value,
             device_restarts=engine.supervisor.restarts,
+            planning_mode=engine.planning_mode,
         )
 
     def as_dict(self) -> dict[str, Any]:
