@@ -215,7 +215,7 @@ def test_every_bucket_with_padding_equals_the_unpadded_forward(tiny):
         written = [k.clone() for k, _ in kv]
         for (k, _), old in zip(kv, before, strict=True):
             k.copy_(old)  # the padded run writes the same slots again
-        got = graphs.run(ids, pos, slots, ctx, ctx.tolist(), tables)
+        got = graphs.run(ids, pos, slots, ctx, ctx.tolist(), tables, torch.arange(live))
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         for (k, _), ref in zip(kv, written, strict=True):
             # Padding wrote only the dummy block; every real block is as the unpadded run left it.

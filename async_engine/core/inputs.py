@@ -108,9 +108,8 @@ class InputBuilder:
                 _check_unicode(m["content"], f"messages[{i}].content")
 
     def chat_ids(self, messages: Any, tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The conversation templated and tokenized: slow for a long chat, so servers call it
-        off the event loop (``AsyncEngine.prepare``)."""
-        self.check_chat_fits(messages)
+        """The conversation templated and tokenized, once ``check_chat_fits`` passed: slow for
+        a long chat, so servers call it off the event loop (``AsyncEngine.prepare``)."""
         return self._need_tokenizer("messages").apply_chat_template(messages, tools)
 
     def _prompt_ids(
@@ -123,6 +122,7 @@ class InputBuilder:
         if messages is not None:
             if prompt is not None:
                 raise ValueError("prompt: give either a prompt or messages, not both")
+            self.check_chat_fits(messages)
             return self.chat_ids(messages, tools)
         if isinstance(prompt, str):
             if not prompt:

@@ -70,7 +70,8 @@ class DecodeGraphs:
         slots: torch.Tensor,
         context_lens: torch.Tensor,  # [B] on the device
         context_host: list[int],  # the same on the host (the eager CPU path plans from them)
-        block_tables: torch.Tensor,  # [B, <= max_blocks_per_row]
+        row_tables: torch.Tensor,  # [rows, max_blocks_per_row]: every row's block table
+        rows: torch.Tensor,  # [B] int64: the rows of this step, in batch order
     ) -> torch.Tensor:
         """Float32 logits [B, V] of one decode step."""
         live = input_ids.shape[0]
@@ -81,7 +82,7 @@ class DecodeGraphs:
         self.positions[:live].copy_(positions)
         self.slots[:live].copy_(slots)
         self.context_lens[:live].copy_(context_lens)
-        self.block_tables[:live, : block_tables.shape[1]].copy_(block_tables)
+        torch.index_select(row_tables, 0, rows, out=self.block_tables[:live])  # no temporary
         self._pad(live, size)
         graph = self.graphs.get(size)
         if graph is not None:

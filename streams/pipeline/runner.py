@@ -332,8 +332,8 @@ class PipelinedRunner:
         graphs = self.graphs
         if decode and graphs is not None and graphs.bucket(len(plan.rows)) is not None:
             return graphs.run(dev["input_ids"], dev["positions"], dev["kv_slots"],
-                              dev["context_lens"], context_host,
-                              rows.tables.index_select(0, row_ids))  # fmt: skip
+                              dev["context_lens"], context_host, rows.tables,
+                              row_ids)  # fmt: skip
         width = int(rows.host.num_blocks[plan.rows].max())
         tables = rows.tables[:, : max(width, 1)].index_select(0, row_ids)
         attention = None
