@@ -102,12 +102,16 @@ def format_compare(on: Report, off: Report, extra: dict[str, tuple[str, str]] | 
     rows += [(key, *values) for key, values in (extra or {}).items()]
     rows += [
         ("device idle (all steps)", pct(on.idle_fraction), pct(off.idle_fraction)),
-        ("device idle (steady decode)", pct(on.decode_idle_fraction), pct(off.decode_idle_fraction)),
+        (
+            "device idle (steady decode)",
+            pct(on.decode_idle_fraction),
+            pct(off.decode_idle_fraction),
+        ),
         ("gaps n / p50 / p95 / max ms", gaps(on), gaps(off)),
         ("gap time mostly blamed on", blame(on), blame(off)),
         ("control-plane work ms/step", ms(cpu_per_step(on)[0]), ms(cpu_per_step(off)[0])),
         ("... hidden behind the device", pct(cpu_per_step(on)[1]), pct(cpu_per_step(off)[1])),
-    ]  # fmt: skip
+    ]
     width = max(len(r[0]) for r in rows) + 2
     col = max(14, *(len(r[1]) + 2 for r in rows), *(len(r[2]) + 2 for r in rows))
     lines = [f"{'':<{width}}{'overlap on':>{col}}{'overlap off':>{col}}"]

@@ -127,8 +127,14 @@ def callback_cost_us(batch: int, repeats: int = 20_000) -> float:
     from streams.plan import StepPlan, StepResult, bools, int32s, int64s
 
     rows = list(range(batch))
-    plan = StepPlan(0, int32s(rows), int32s([63] * batch), int32s([1] * batch),
-                    bools([True] * batch), int64s([-1] * batch))  # fmt: skip
+    plan = StepPlan(
+        0,
+        int32s(rows),
+        int32s([63] * batch),
+        int32s([1] * batch),
+        bools([True] * batch),
+        int64s([-1] * batch),
+    )
     result = StepResult(0, [0] * batch, device_start=1.0, device_end=2.0)
     tracer = StepTracer(nvtx=False)
     start = time.perf_counter()

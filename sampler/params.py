@@ -116,11 +116,15 @@ class SamplingParams:
                 raise ValueError(f"structured_output must be (kind, spec), got {spec!r}")
             kind, text = spec
             if kind not in STRUCTURED_KINDS:
-                raise ValueError(f"structured_output kind must be one of "
-                                 f"{', '.join(STRUCTURED_KINDS)}, got {kind!r}")  # fmt: skip
+                raise ValueError(
+                    f"structured_output kind must be one of "
+                    f"{', '.join(STRUCTURED_KINDS)}, got {kind!r}"
+                )
             if not isinstance(text, str) or len(text) > MAX_STRUCTURED_SPEC:
-                raise ValueError(f"structured_output spec must be a string under "
-                                 f"{MAX_STRUCTURED_SPEC} characters")  # fmt: skip
+                raise ValueError(
+                    f"structured_output spec must be a string under "
+                    f"{MAX_STRUCTURED_SPEC} characters"
+                )
             if self.ignore_eos:
                 raise ValueError("structured_output ends at the grammar's end: no ignore_eos")
             object.__setattr__(self, "structured_output", (kind, text))

@@ -68,9 +68,15 @@ def fill_placeholders(
     """In place: input_ids[i] = token_buffer[token_slots[i]] where input_ids[i] < 0 (int64)."""
     n = input_ids.numel()
     if _on_gpu(input_ids, token_slots, token_buffer) and _launch(
-        "tokens", "fill_placeholders", -(-n // THREADS), THREADS,
-        input_ids.data_ptr(), token_slots.data_ptr(), token_buffer.data_ptr(), np.int32(n),
-    ):  # fmt: skip
+        "tokens",
+        "fill_placeholders",
+        -(-n // THREADS),
+        THREADS,
+        input_ids.data_ptr(),
+        token_slots.data_ptr(),
+        token_buffer.data_ptr(),
+        np.int32(n),
+    ):
         return
     fill_placeholders_twin(input_ids, token_slots, token_buffer)
 
@@ -79,9 +85,15 @@ def scatter_tokens(token_buffer: torch.Tensor, slots: torch.Tensor, tokens: torc
     """In place: token_buffer[slots[i]] = tokens[i] (int64)."""
     n = slots.numel()
     if _on_gpu(token_buffer, slots, tokens) and _launch(
-        "tokens", "scatter_tokens", -(-n // THREADS), THREADS,
-        token_buffer.data_ptr(), slots.data_ptr(), tokens.data_ptr(), np.int32(n),
-    ):  # fmt: skip
+        "tokens",
+        "scatter_tokens",
+        -(-n // THREADS),
+        THREADS,
+        token_buffer.data_ptr(),
+        slots.data_ptr(),
+        tokens.data_ptr(),
+        np.int32(n),
+    ):
         return
     scatter_tokens_twin(token_buffer, slots, tokens)
 
@@ -122,7 +134,7 @@ def try_store_kv(
             v.data_ptr(),
             slot_mapping.data_ptr(),
             np.int32(k_cache.shape[2] * k_cache.shape[3]),
-        )  # fmt: skip
+        )
     )
 
 

@@ -41,13 +41,29 @@ def model_spec(
     if num_blocks is None and not (pipelined and kind == "cuda"):
         raise ValueError("num_blocks is sized from GPU memory only by the pipelined CUDA runner")
     if pipelined:
-        factory = functools.partial(build_pipelined_runner, model_factory, num_blocks,
-                                    block_size, max_blocks_per_row, kind, tokenizer_folder,
-                                    cuda_graphs, graph_max_batch, memory_share,
-                                    step_tokens)  # fmt: skip
+        factory = functools.partial(
+            build_pipelined_runner,
+            model_factory,
+            num_blocks,
+            block_size,
+            max_blocks_per_row,
+            kind,
+            tokenizer_folder,
+            cuda_graphs,
+            graph_max_batch,
+            memory_share,
+            step_tokens,
+        )
     else:
-        factory = functools.partial(build_model_runner, model_factory, num_blocks, block_size,
-                                    max_blocks_per_row, kind, tokenizer_folder)  # fmt: skip
+        factory = functools.partial(
+            build_model_runner,
+            model_factory,
+            num_blocks,
+            block_size,
+            max_blocks_per_row,
+            kind,
+            tokenizer_folder,
+        )
     return DeviceSpec(factory, threads if kind == "cpu" else 1)
 
 
@@ -59,8 +75,9 @@ def sim_spec(
     max_blocks_per_row: int,
 ) -> DeviceSpec:
     """The simulated device: no torch, no weights, a modelled step time."""
-    factory = functools.partial(build_sim_runner, cost, vocab_size, eos_ids, block_size,
-                                max_blocks_per_row)  # fmt: skip
+    factory = functools.partial(
+        build_sim_runner, cost, vocab_size, eos_ids, block_size, max_blocks_per_row
+    )
     return DeviceSpec(factory, threads=0)
 
 

@@ -60,9 +60,12 @@ class ModelRunner:
             tokens, logprobs, top = self._run(plan)
         except Exception as exc:  # the step fails alone; the device keeps serving
             return StepResult(
-                plan.step_id, [], device_start=start, device_end=time.monotonic(),
+                plan.step_id,
+                [],
+                device_start=start,
+                device_end=time.monotonic(),
                 error=f"{type(exc).__name__}: {exc}",
-            )  # fmt: skip
+            )
         return StepResult(plan.step_id, tokens, logprobs, top, start, time.monotonic())
 
     def replay(self, plans: list[StepPlan]) -> StepResult:
@@ -137,5 +140,6 @@ def build_model_runner(
     tokenizer_folder: str | None = None,
 ) -> ModelRunner:
     """Module level, so a device process can receive it by name inside a partial."""
-    return ModelRunner(model_factory(), num_blocks, block_size, max_blocks_per_row, device,
-                       tokenizer_folder)  # fmt: skip
+    return ModelRunner(
+        model_factory(), num_blocks, block_size, max_blocks_per_row, device, tokenizer_folder
+    )

@@ -32,22 +32,37 @@ class SimRunner:
         self.block_size = block_size
         self.max_blocks_per_row = max_blocks_per_row
         self.clock = PreciseClock()
+        self._busy_until = 0.0  # when the last step's modelled time ends
         self._fresh_rows()
 
     def _fresh_rows(self) -> None:
         self.rows = RowState(self.block_size, self.max_blocks_per_row)
         self.seeds = np.zeros(len(self.rows.live), dtype=np.int64)
 
-    def run(self, plan: StepPlan) -> StepResult:
-        start = time.monotonic()
+    # Its steps take modelled time: the device loop reads the next plan while one "runs".
+    modelled = True
+
+    def run(self, plan: StepPlan, arrived_at: float | None = None) -> StepResult:
+        """Run ``plan``. ``arrived_at``: when its bytes came in. Like a GPU behind a host
+        thread that decodes plans and encodes results while the device computes, the step
+        starts when both it has arrived and the step before has ended: the device loop's
+        own work in between is host work, not device time (or idle)."""
+        now = time.monotonic()
+        start = now if arrived_at is None else min(now, max(arrived_at, self._busy_until))
         try:
             tokens = self._run(plan)
         except Exception as exc:  # the step fails alone; the device keeps serving
-            return StepResult(plan.step_id, [], device_start=start, device_end=time.monotonic(),
-                              error=f"{type(exc).__name__}: {exc}")  # fmt: skip
+            return StepResult(
+                plan.step_id,
+                [],
+                device_start=start,
+                device_end=time.monotonic(),
+                error=f"{type(exc).__name__}: {exc}",
+            )
         # The step ends when the model says; the device process waits for that moment
         # (and reads the next plan meanwhile) before it sends this result.
-        return StepResult(plan.step_id, tokens, None, None, start, start + self.step_seconds(plan))
+        self._busy_until = end = start + self.step_seconds(plan)
+        return StepResult(plan.step_id, tokens, None, None, start, end)
 
     def replay(self, plans: list[StepPlan]) -> StepResult:
         live = self.rows, self.seeds
@@ -88,8 +103,9 @@ class SimRunner:
         carried = last_ids == PLACEHOLDER
         if carried.any():
             last_ids = np.where(carried, self.rows.last_tokens[rows], last_ids)
-        tokens = sim_tokens(last_ids, last_pos[sampled], self.seeds[rows], self.vocab_size,
-                            self.avoid)  # fmt: skip
+        tokens = sim_tokens(
+            last_ids, last_pos[sampled], self.seeds[rows], self.vocab_size, self.avoid
+        )
         self.rows.last_tokens[rows] = tokens
         return tokens
 

@@ -2,7 +2,8 @@
 
 Pickling a plan of numpy arrays costs ~20 us and a plan of nested lists far more; this
 frame costs ~7 us both ways for a 256-request step. Rare parts (new rows with their
-sampling settings, logprobs, an error) ride along pickled, only when present.
+sampling settings, logprobs, an error) ride along pickled, only when present. Every
+message between the control plane and the device process starts with a byte naming its kind.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import struct
 import numpy as np
 
 from streams.plan import StepPlan, StepResult
+
+# The kind bytes, sent and read by ``streams.process_device`` and ``streams.device_loop``.
+STEP, REPLAY, SHUTDOWN, RESULT, READY, FAILED = b"S", b"R", b"Q", b"r", b"+", b"!"
 
 _PLAN_HEAD = struct.Struct("<q9i")  # step id; lengths of the 8 arrays; pickled extras length
 _PLAN_ARRAYS = (
@@ -50,8 +54,9 @@ def encode_result(result: StepResult) -> bytes:
     tokens = np.ascontiguousarray(result.tokens, np.int64)
     rare = (result.logprobs, result.top_logprobs, result.error)
     extra = pickle.dumps(rare, 5) if any(x is not None for x in rare) else b""
-    head = _RESULT_HEAD.pack(result.step_id, result.device_start, result.device_end,
-                             len(tokens), len(extra))  # fmt: skip
+    head = _RESULT_HEAD.pack(
+        result.step_id, result.device_start, result.device_end, len(tokens), len(extra)
+    )
     return b"".join((head, tokens.tobytes(), extra))
 
 

@@ -75,9 +75,18 @@ class PlanWalk:
             ids += chunk
             req.computed += count
         released, self._released = self._released, []
-        plan = StepPlan(self.step_id, int32s(rows), int32s(starts), int32s(lens),
-                        np.array(sample, dtype=bool), int64s(ids), new_rows, int32s(released),
-                        int32s(resets), int32s(new_blocks))  # fmt: skip
+        plan = StepPlan(
+            self.step_id,
+            int32s(rows),
+            int32s(starts),
+            int32s(lens),
+            np.array(sample, dtype=bool),
+            int64s(ids),
+            new_rows,
+            int32s(released),
+            int32s(resets),
+            int32s(new_blocks),
+        )
         self.step_id += 1
         return plan
 

@@ -2,7 +2,8 @@
 protocol accepts what they send (openai, openai-agents, langchain-openai, litellm).
 
 Every loop is two turns on the default model: the first forces a call (tool_choice
-required), the tool's result goes back, the second is the final answer.
+required), the tool's result goes back, the second is the final answer. Structured answers
+and cancelled streams are in tests/test_agent_clients_structured_and_cancelled.py.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import os
 
 import pytest
+from agent_client_settings import FAST, langchain_chat_model
 
 from async_engine.server.app import BackgroundServer
 
@@ -32,7 +34,6 @@ WEATHER = {
 }
 QUESTION = "What is the weather in Paris?"
 RESULT = "Sunny, 21 C"
-FAST = {"temperature": 0, "max_tokens": 40}
 
 
 @pytest.fixture
@@ -53,16 +54,18 @@ def _check_call(call_name: str, arguments: str) -> None:
 # ------------------------------------------------------------------------ openai
 def test_openai_sync_loop_sends_the_returned_message_back(client):
     messages = [{"role": "user", "content": QUESTION}]
-    first = client.chat.completions.create(model="default", messages=messages, tools=[WEATHER],
-                                           tool_choice="required", **FAST)  # fmt: skip
+    first = client.chat.completions.create(
+        model="default", messages=messages, tools=[WEATHER], tool_choice="required", **FAST
+    )
     message = first.choices[0].message
     assert first.choices[0].finish_reason == "tool_calls" and message.content is None
     messages.append(message)  # the documented pattern: the returned message as is
     for call in message.tool_calls:
         _check_call(call.function.name, call.function.arguments)
         messages.append({"role": "tool", "tool_call_id": call.id, "content": RESULT})
-    final = client.chat.completions.create(model="default", messages=messages, tools=[WEATHER],
-                                           tool_choice="none", **FAST)  # fmt: skip
+    final = client.chat.completions.create(
+        model="default", messages=messages, tools=[WEATHER], tool_choice="none", **FAST
+    )
     assert final.choices[0].finish_reason in ("stop", "length")
     assert final.choices[0].message.content and not final.choices[0].message.tool_calls
 
@@ -70,9 +73,14 @@ def test_openai_sync_loop_sends_the_returned_message_back(client):
 def test_openai_streamed_loop(client):
     messages = [{"role": "user", "content": QUESTION}]
     calls: dict[int, dict] = {}
-    with client.chat.completions.stream(model="default", messages=messages, tools=[WEATHER],
-                                        tool_choice="required", parallel_tool_calls=False,
-                                        **FAST) as stream:  # fmt: skip
+    with client.chat.completions.stream(
+        model="default",
+        messages=messages,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        **FAST,
+    ) as stream:
         for event in stream:
             if event.type == "tool_calls.function.arguments.done":
                 calls[event.index] = {"name": event.name, "arguments": event.arguments}
@@ -95,11 +103,14 @@ def test_openai_streamed_loop(client):
 async def test_openai_async_loop(base_url: str):
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": QUESTION}]
-    first = await client.chat.completions.create(model="default", messages=messages,
-                                                 tools=[WEATHER], tool_choice="required", **FAST)  # fmt: skip
+    first = await client.chat.completions.create(
+        model="default", messages=messages, tools=[WEATHER], tool_choice="required", **FAST
+    )
     message = first.choices[0].message
-    messages += [message, *({"role": "tool", "tool_call_id": c.id, "content": RESULT}
-                            for c in message.tool_calls)]  # fmt: skip
+    messages += [
+        message,
+        *({"role": "tool", "tool_call_id": c.id, "content": RESULT} for c in message.tool_calls),
+    ]
     final = await client.chat.completions.create(model="default", messages=messages, **FAST)
     assert final.choices[0].message.content
     await client.close()
@@ -122,8 +133,14 @@ def _agent(base_url: str, **options):
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
     model = agents.OpenAIChatCompletionsModel(model="default", openai_client=client)
     settings = agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=60)
-    agent = agents.Agent(name="weather", instructions="Answer briefly.", tools=[get_weather],
-                         model=model, model_settings=settings, **options)  # fmt: skip
+    agent = agents.Agent(
+        name="weather",
+        instructions="Answer briefly.",
+        tools=[get_weather],
+        model=model,
+        model_settings=settings,
+        **options,
+    )
     return agents, agent, calls
 
 
@@ -138,8 +155,11 @@ async def test_openai_agents_runner_finishes_the_loop(base_url: str):
 async def test_openai_agents_streamed_runner_finishes_the_loop(base_url: str):
     agents, agent, calls = _agent(base_url)
     result = agents.Runner.run_streamed(agent, QUESTION, max_turns=3)
-    kinds = [event.item.type async for event in result.stream_events()
-             if event.type == "run_item_stream_event"]  # fmt: skip
+    kinds = [
+        event.item.type
+        async for event in result.stream_events()
+        if event.type == "run_item_stream_event"
+    ]
     assert "tool_call_item" in kinds and "tool_call_output_item" in kinds
     assert calls and result.final_output
 
@@ -157,17 +177,11 @@ async def test_openai_agents_typed_output_validates(base_url: str):
 
 
 # ---------------------------------------------------------------- langchain-openai
-def _chat_model(base_url: str):
-    langchain_openai = pytest.importorskip("langchain_openai")
-    return langchain_openai.ChatOpenAI(model="default", base_url=base_url, api_key="unused",
-                                       max_retries=0, **FAST)  # fmt: skip
-
-
 @pytest.mark.parametrize("streamed", [False, True])
 def test_langchain_loop(base_url: str, streamed: bool):
     from langchain_core.messages import HumanMessage, ToolMessage
 
-    llm = _chat_model(base_url)
+    llm = langchain_chat_model(base_url)
     messages = [HumanMessage(QUESTION)]
     forced = llm.bind_tools([WEATHER], tool_choice="required")
     if streamed:
@@ -195,16 +209,18 @@ def test_litellm_loop(base_url: str, streamed: bool):
     litellm = _litellm()
     target = {"model": "openai/default", "api_base": base_url, "api_key": "unused", **FAST}
     messages = [{"role": "user", "content": QUESTION}]
-    first = litellm.completion(messages=messages, tools=[WEATHER], tool_choice="required",
-                               stream=streamed, **target)  # fmt: skip
+    first = litellm.completion(
+        messages=messages, tools=[WEATHER], tool_choice="required", stream=streamed, **target
+    )
     if streamed:
         first = litellm.stream_chunk_builder(list(first), messages=messages)
     message = first.choices[0].message
     assert message.tool_calls
     _check_call(message.tool_calls[0].function.name, message.tool_calls[0].function.arguments)
-    messages += [message.model_dump(),
-                 *({"role": "tool", "tool_call_id": c.id, "content": RESULT}
-                   for c in message.tool_calls)]  # fmt: skip
+    messages += [
+        message.model_dump(),
+        *({"role": "tool", "tool_call_id": c.id, "content": RESULT} for c in message.tool_calls),
+    ]
     final = litellm.completion(messages=messages, tools=[WEATHER], tool_choice="none", **target)
     assert final.choices[0].message.content
 
@@ -213,74 +229,13 @@ async def test_litellm_async_loop(base_url: str):
     litellm = _litellm()
     target = {"model": "openai/default", "api_base": base_url, "api_key": "unused", **FAST}
     messages = [{"role": "user", "content": QUESTION}]
-    first = await litellm.acompletion(messages=messages, tools=[WEATHER], tool_choice="required",
-                                      **target)  # fmt: skip
+    first = await litellm.acompletion(
+        messages=messages, tools=[WEATHER], tool_choice="required", **target
+    )
     message = first.choices[0].message
-    messages += [message.model_dump(),
-                 *({"role": "tool", "tool_call_id": c.id, "content": RESULT}
-                   for c in message.tool_calls)]  # fmt: skip
+    messages += [
+        message.model_dump(),
+        *({"role": "tool", "tool_call_id": c.id, "content": RESULT} for c in message.tool_calls),
+    ]
     final = await litellm.acompletion(messages=messages, **target)
     assert final.choices[0].message.content
-
-
-# ------------------------------------------------------- structured answers, kept working
-class _City:
-    """A pydantic model, built lazily so that collecting this file needs no pydantic."""
-
-    @staticmethod
-    def model():
-        from pydantic import BaseModel, Field
-
-        class City(BaseModel):
-            name: str = Field(max_length=20)
-            country: str = Field(max_length=20)
-
-        return City
-
-
-def test_openai_parse_returns_the_pydantic_object(client):
-    city = _City.model()
-    out = client.chat.completions.parse(model="default", response_format=city, **FAST,
-                                        messages=[{"role": "user", "content": "Name a city."}])  # fmt: skip
-    assert isinstance(out.choices[0].message.parsed, city)
-
-
-@pytest.mark.parametrize("method", ["function_calling", "json_schema", "json_mode"])
-def test_langchain_structured_output(base_url: str, method: str):
-    city = _City.model()
-    llm = _chat_model(base_url).with_structured_output(city, method=method, include_raw=True)
-    prompt = "Name a city. Answer in JSON with the keys name and country."
-    out = llm.invoke(prompt)
-    assert out["parsing_error"] is None and isinstance(out["parsed"], city)
-
-
-async def test_many_async_streams_with_some_cancelled_leave_nothing_running(
-    base_url: str, chat_server: BackgroundServer
-):
-    import asyncio
-
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
-
-    async def read(i: int) -> int:
-        stream = await client.chat.completions.create(
-            model="default", messages=[{"role": "user", "content": f"Count to {i}"}],
-            stream=True, temperature=0, max_tokens=12, extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        seen = 0
-        async for _ in stream:
-            seen += 1
-            if i % 5 == 0 and seen == 3:  # every fifth client leaves mid-stream
-                await stream.close()
-                break
-        return seen
-
-    seen = await asyncio.gather(*(read(i) for i in range(50)))
-    assert all(s >= 3 for s in seen)
-    engine = chat_server.engine
-    for _ in range(200):
-        if not engine.scheduler.requests and engine.pool.num_free == engine.pool.num_blocks:
-            break
-        await asyncio.sleep(0.05)
-    assert not engine.scheduler.requests, "no request left running"
-    assert engine.pool.num_free == engine.pool.num_blocks, "every KV block back"
-    await client.close()

@@ -40,12 +40,17 @@ def test_full_batch_decode_time_uses_the_largest_decode_batch():
 
     def plan(step: int, lens: list[int]) -> StepPlan:
         n = len(lens)
-        return StepPlan(step, np.arange(n), np.zeros(n), np.array(lens), np.ones(n, bool),
-                        np.zeros(sum(lens)))  # fmt: skip
+        return StepPlan(
+            step, np.arange(n), np.zeros(n), np.array(lens), np.ones(n, bool), np.zeros(sum(lens))
+        )
 
     plans = [plan(0, [5, 7]), plan(1, [1, 1]), plan(2, [1, 1, 1]), plan(3, [1, 1, 1])]
-    spans = [(0, 0.0, 0.5, True), (1, 1.0, 1.010, False), (2, 2.0, 2.004, False),
-             (3, 3.0, 3.006, False)]  # fmt: skip
+    spans = [
+        (0, 0.0, 0.5, True),
+        (1, 1.0, 1.010, False),
+        (2, 2.0, 2.004, False),
+        (3, 3.0, 3.006, False),
+    ]
     ms, batch = full_batch_decode_ms(plans, spans)
     assert batch == 3 and ms == pytest.approx(6.0)
 

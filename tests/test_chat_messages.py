@@ -22,14 +22,20 @@ WEATHER = {
         },
     },
 }
-CALL = {"id": "call_1", "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+}
 LOOP = [
     {"role": "developer", "content": "Be brief."},
-    {"role": "user", "content": [{"type": "text", "text": "Weather"}, {"type": "text", "text": "in Oslo?"}]},
+    {
+        "role": "user",
+        "content": [{"type": "text", "text": "Weather"}, {"type": "text", "text": "in Oslo?"}],
+    },
     {"role": "assistant", "content": None, "tool_calls": [CALL]},
     {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "Rain, 9 C"}]},
-]  # fmt: skip
+]
 NO_TOOLS_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 
 
@@ -58,18 +64,24 @@ def test_an_assistant_message_with_calls_may_leave_content_out():
     [
         ({"role": "user", "content": None}, "messages[0].content is required"),
         ({"role": "assistant"}, "messages[0].content is required"),
-        ({"role": "user", "content": [{"type": "image_url", "image_url": {}}]},
-         "messages[0].content[0]: 'image_url' parts are not supported"),
+        (
+            {"role": "user", "content": [{"type": "image_url", "image_url": {}}]},
+            "messages[0].content[0]: 'image_url' parts are not supported",
+        ),
         ({"role": "user", "content": [{"text": "no type"}]}, "messages[0].content[0] must be"),
         ({"role": "user", "content": 5}, "messages[0].content must be a string or a list"),
         ({"role": "user", "content": "x", "tool_calls": [CALL]}, "messages[0].tool_calls: only"),
-        ({"role": "assistant", "tool_calls": [{"type": "function"}]},
-         "messages[0].tool_calls[0] must be"),
-        ({"role": "tool", "content": "x", "tool_call_id": 3},
-         "messages[0].tool_call_id must be a string"),
+        (
+            {"role": "assistant", "tool_calls": [{"type": "function"}]},
+            "messages[0].tool_calls[0] must be",
+        ),
+        (
+            {"role": "tool", "content": "x", "tool_call_id": 3},
+            "messages[0].tool_call_id must be a string",
+        ),
         ({"role": "wizard", "content": "x"}, "messages[0].role is unknown: 'wizard'"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_message_is_refused_naming_its_field(message: dict, named: str):
     with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("]", r"\]")):
         normalize_messages([message])
@@ -83,8 +95,10 @@ def test_a_template_without_tools_sees_calls_and_results_as_hermes_blocks():
     call = rendered[2]["content"]
     assert rendered[2]["role"] == "assistant" and call.startswith("<tool_call>")
     assert json.loads(call.split("\n")[1]) == {"name": "get_weather", "arguments": {"city": "Oslo"}}
-    assert rendered[3] == {"role": "user",
-                           "content": "<tool_response>\nRain, 9 C\n</tool_response>"}  # fmt: skip
+    assert rendered[3] == {
+        "role": "user",
+        "content": "<tool_response>\nRain, 9 C\n</tool_response>",
+    }
 
 
 def test_consecutive_tool_results_share_one_user_turn():
@@ -153,8 +167,10 @@ def _matches(tokenizer_folder: Path, structured: tuple[str, str], text: str) -> 
 
 
 def test_auto_with_a_response_format_is_a_call_or_the_format(default_model: Path):
-    answer = ("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
-                                         "required": ["a"]}))  # fmt: skip
+    answer = (
+        "json_schema",
+        json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
+    )
     grammar = ToolSpec([WEATHER], "auto", answer=answer).schema_output()
     assert _matches(
         default_model, grammar, _block("get_weather", {"city": "Oslo"}).replace(" ", "")
@@ -187,7 +203,7 @@ def test_grpc_takes_the_developer_role_too():
     msg.chat.messages.add(role="developer", content="Be brief.")
     msg.chat.messages.add(role="user", content="Hi")
     sub = decode_request(msg, Limits())
-    assert normalize_messages(sub.messages)[0] == {"role": "system", "content": "Be brief."}
+    assert normalize_messages(sub.options.messages)[0] == {"role": "system", "content": "Be brief."}
 
 
 def _stream(spec: ToolSpec, text: str, step: int = 1) -> tuple[str, str | None, list]:

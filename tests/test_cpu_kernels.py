@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from async_engine.model import cpu_kernels
-from async_engine.model.attention import AttentionPlan
+from async_engine.model.attention_plan import AttentionPlan
 from streams.batch import ForwardBatch
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ on PATH")
@@ -90,10 +90,14 @@ def test_a_failed_build_leaves_the_torch_path(monkeypatch, tmp_path: Path, caplo
         assert not any(tmp_path.rglob("*.so")), "no torn library is left behind"
         # The attention plan then picks the gather path.
         batch = ForwardBatch(
-            input_ids=torch.zeros(2, dtype=torch.long), positions=torch.tensor([3, 5]),
-            slot_mapping=torch.tensor([3, 9]), query_lens=[1, 1], context_lens=[4, 6],
-            block_tables=torch.tensor([[0, 0], [1, 2]]), logits_indices=torch.tensor([0, 1]),
-        )  # fmt: skip
+            input_ids=torch.zeros(2, dtype=torch.long),
+            positions=torch.tensor([3, 5]),
+            slot_mapping=torch.tensor([3, 9]),
+            query_lens=[1, 1],
+            context_lens=[4, 6],
+            block_tables=torch.tensor([[0, 0], [1, 2]]),
+            logits_indices=torch.tensor([0, 1]),
+        )
         plan = AttentionPlan.build(batch, 4, False, torch.zeros(8, 4, 1, 8))
         assert plan.decode_lens is None
     finally:
@@ -103,10 +107,14 @@ def test_a_failed_build_leaves_the_torch_path(monkeypatch, tmp_path: Path, caplo
 @needs_compiler
 def test_a_block_id_outside_the_cache_is_refused_before_the_kernel_reads_it():
     batch = ForwardBatch(
-        input_ids=torch.zeros(1, dtype=torch.long), positions=torch.tensor([5]),
-        slot_mapping=torch.tensor([9]), query_lens=[1], context_lens=[6],
-        block_tables=torch.tensor([[1, 99]]), logits_indices=torch.tensor([0]),
-    )  # fmt: skip
+        input_ids=torch.zeros(1, dtype=torch.long),
+        positions=torch.tensor([5]),
+        slot_mapping=torch.tensor([9]),
+        query_lens=[1],
+        context_lens=[6],
+        block_tables=torch.tensor([[1, 99]]),
+        logits_indices=torch.tensor([0]),
+    )
     with pytest.raises(ValueError, match="block ids"):
         AttentionPlan.build(batch, 4, False, torch.zeros(8, 4, 1, 8))
 
@@ -230,12 +238,14 @@ def test_the_default_model_in_bf16_gives_the_same_logits_with_and_without_kernel
                 slots.append(int(tables[seq, p // block]) * block + p % block)
         lens = [n for _, _, n in chunks]
         return ForwardBatch(
-            input_ids=torch.tensor(ids), positions=torch.tensor(pos),
-            slot_mapping=torch.tensor(slots), query_lens=lens,
+            input_ids=torch.tensor(ids),
+            positions=torch.tensor(pos),
+            slot_mapping=torch.tensor(slots),
+            query_lens=lens,
             context_lens=[s + n for _, s, n in chunks],
             block_tables=tables[[seq for seq, _, _ in chunks]],
             logits_indices=torch.cumsum(torch.tensor(lens), 0) - 1,
-        )  # fmt: skip
+        )
 
     steps = [[(0, 0, 40)], [(0, 40, 29), (1, 0, 45)], [(0, 69, 1), (1, 45 - 1, 1)]]
     logits = {}

@@ -48,6 +48,7 @@ def test_a_broken_kernel_is_reported_with_its_line(tmp_path: Path):
 
 def test_cuda_modules_import_without_a_gpu():
     import streams.cuda_kernels  # noqa: F401
+    import streams.device_loop  # noqa: F401
     import streams.process_device  # noqa: F401
 
 

@@ -137,8 +137,9 @@ async def test_a_step_past_its_deadline_loses_the_device_and_its_request_ends_on
     default_model: Path,
 ):
     # Every device withholds results from the step holding token 7 on: a poison request.
-    engine = AsyncEngine(model=str(default_model), device_step_timeout_s=0.5,
-                         device_wrapper=withhold_after(7), **SIM)  # fmt: skip
+    engine = AsyncEngine(
+        model=str(default_model), device_step_timeout_s=0.5, device_wrapper=withhold_after(7), **SIM
+    )
     try:
         poison = engine.add_request([5, 6, 7], PARAMS)
         tokens, reason = await drain(engine, poison)

@@ -17,9 +17,15 @@ def phases(monkeypatch):
     table = {
         "good": ([sys.executable, "-c", "print('{\"ok\": true}'); print('not json')"], 30),
         "bad": ([sys.executable, "-c", "import sys; print('{\"ok\": false}'); sys.exit(1)"], 30),
-        "hang": ([sys.executable, "-c", "print('{\"started\": 1}', flush=True); "
-                  "import time; time.sleep(60)"], 1),
-    }  # fmt: skip
+        "hang": (
+            [
+                sys.executable,
+                "-c",
+                "print('{\"started\": 1}', flush=True); import time; time.sleep(60)",
+            ],
+            1,
+        ),
+    }
     monkeypatch.setattr(gpu_check, "PHASES", table)
     return table
 
@@ -44,8 +50,10 @@ def test_a_failed_or_hung_phase_fails_the_check_and_keeps_what_it_printed(tmp_pa
 
 def test_a_phase_is_cut_even_when_a_child_it_left_holds_its_output(tmp_path: Path, monkeypatch):
     """Like a hung device process: the phase exits, its child keeps the pipes open."""
-    leave = ("import subprocess, sys; print('{\"ok\": 1}', flush=True); "
-             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])")  # fmt: skip
+    leave = (
+        "import subprocess, sys; print('{\"ok\": 1}', flush=True); "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"
+    )
     monkeypatch.setattr(gpu_check, "PHASES", {"leaves": ([sys.executable, "-c", leave], 2)})
     out = tmp_path / "report.json"
     assert gpu_check.main(["--out", str(out)]) == 1
@@ -114,8 +122,16 @@ def test_identity_compares_the_pipelined_runner_with_the_cpu_engine(capsys):
     """The GPU phase's own comparison, device under test "cpu": the pipelined runner there."""
     from async_engine.bench import gpu_identity
 
-    argv = ["--device", "cpu", "--shapes", "tiny", "--variants", "overlap-on,preempt,chunked",
-            "--bf16", "off"]  # fmt: skip
+    argv = [
+        "--device",
+        "cpu",
+        "--shapes",
+        "tiny",
+        "--variants",
+        "overlap-on,preempt,chunked",
+        "--bf16",
+        "off",
+    ]
     assert gpu_identity.main(argv) == 0
     records = {r["variant"]: r for r in _records(capsys.readouterr().out)}
     assert set(records) == {"cpu-reference", "overlap-on", "preempt", "chunked"}
@@ -139,8 +155,10 @@ def test_a_token_mismatch_fails_the_identity_phase_and_names_where(monkeypatch, 
     assert not gpu_identity.check_shape("tiny", Path("unused"), "cpu", ["overlap-off"], False)
     _, record = _records(capsys.readouterr().out)
     assert record["ok"] is False
-    assert record["mismatches"] == [{"prompt": 1, "index": 2, "want": 6, "got": 0},
-                                    {"prompt": 2, "index": 1, "want": 8, "got": None}]  # fmt: skip
+    assert record["mismatches"] == [
+        {"prompt": 1, "index": 2, "want": 6, "got": 0},
+        {"prompt": 2, "index": 1, "want": 8, "got": None},
+    ]
     margin = gpu_identity.first_mismatches([[1, 2]], [[9, 2]], top)[0]["ref_margin"]
     assert margin == pytest.approx(0.2)
 
@@ -164,8 +182,18 @@ def test_a_variant_that_crashes_fails_the_phase_and_the_next_still_runs(monkeypa
 def test_bench_phase_reads_a_real_offline_run(capsys):
     from async_engine.bench import gpu_bench
 
-    argv = ["--device", "cpu", "--dtype", "float32", "--shape", "tiny", "--batches", "4",
-            "--max-tokens", "8"]  # fmt: skip
+    argv = [
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--shape",
+        "tiny",
+        "--batches",
+        "4",
+        "--max-tokens",
+        "8",
+    ]
     assert gpu_bench.main(argv) == 0
     on, off, summary = _records(capsys.readouterr().out)
     assert (on["cuda_graphs"], off["cuda_graphs"]) == (True, False)
@@ -180,24 +208,46 @@ def test_bench_targets_are_reported_from_the_runs_that_completed():
     from async_engine.bench.gpu_bench import summary
 
     def run(batch: int, graphs: bool, tps: float, ratio: float, busy: float) -> dict:
-        return {"batch": batch, "cuda_graphs": graphs, "on_tokens_per_s": tps,
-                "overlap_ratio": ratio, "steady_decode_busy_on": busy}  # fmt: skip
+        return {
+            "batch": batch,
+            "cuda_graphs": graphs,
+            "on_tokens_per_s": tps,
+            "overlap_ratio": ratio,
+            "steady_decode_busy_on": busy,
+        }
 
-    got = summary([run(64, True, 300, 1.3, 0.96), run(64, False, 250, 1.0, 0.9),
-                   run(256, True, 900, 1.1, 0.99)])  # fmt: skip
+    got = summary(
+        [
+            run(64, True, 300, 1.3, 0.96),
+            run(64, False, 250, 1.0, 0.9),
+            run(256, True, 900, 1.1, 0.99),
+        ]
+    )
     assert got["graphs_ratio"] == {"64": pytest.approx(1.2)}
     assert got["overlap_ratio"] == {"64": 1.3, "256": 1.1}
-    assert got["targets"] == {"steady_decode_busy_at_64_ge_0.95": True,
-                              "overlap_ratio_at_64_ge_1.2": True,
-                              "graphs_ratio_at_64_ge_1.5": False}  # fmt: skip
+    assert got["targets"] == {
+        "steady_decode_busy_at_64_ge_0.95": True,
+        "overlap_ratio_at_64_ge_1.2": True,
+        "graphs_ratio_at_64_ge_1.5": False,
+    }
     assert summary([run(64, True, 300, 1.3, 0.96)])["targets"]["graphs_ratio_at_64_ge_1.5"] is None
 
 
 def test_profile_phase_reads_the_reports_of_a_real_run(capsys):
     from async_engine.bench import gpu_profile
 
-    argv = ["--device", "cpu", "--dtype", "float32", "--shape", "tiny", "--steps", "20",
-            "--requests", "4"]  # fmt: skip
+    argv = [
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--shape",
+        "tiny",
+        "--steps",
+        "20",
+        "--requests",
+        "4",
+    ]
     assert gpu_profile.main(argv) == 0
     on, off, compare = _records(capsys.readouterr().out)
     assert (on["overlap"], off["overlap"]) == ("on", "off")

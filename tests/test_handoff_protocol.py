@@ -32,8 +32,16 @@ def a_plan() -> StepPlan:
 def test_a_plan_survives_its_byte_frame():
     plan = a_plan()
     back = decode_plan(encode_plan(plan))
-    for name in ("rows", "starts", "query_lens", "sample", "input_ids", "released_rows",
-                 "reset_rows", "new_blocks"):  # fmt: skip
+    for name in (
+        "rows",
+        "starts",
+        "query_lens",
+        "sample",
+        "input_ids",
+        "released_rows",
+        "reset_rows",
+        "new_blocks",
+    ):
         assert np.array_equal(getattr(back, name), getattr(plan, name)), name
     assert back.step_id == 41 and back.new_rows == plan.new_rows
     assert back.requests == []  # never sent
@@ -53,10 +61,16 @@ def test_a_result_survives_its_byte_frame_with_and_without_extras():
 
 def test_row_state_derives_positions_kv_slots_and_tables():
     rows = RowState(block_size=4, max_blocks_per_row=8, rows=2)
-    first = StepPlan(0, int32s([0, 1]), int32s([0, 0]), int32s([6, 2]), bools([True, True]),
-                     int64s([1, 2, 3, 4, 5, 6, 7, 8]),
-                     new_rows=[NewRow(0, None, [], []), NewRow(1, None, [], [])],
-                     new_blocks=int32s([0, 5, 1, 9, 0, 6]))  # fmt: skip
+    first = StepPlan(
+        0,
+        int32s([0, 1]),
+        int32s([0, 0]),
+        int32s([6, 2]),
+        bools([True, True]),
+        int64s([1, 2, 3, 4, 5, 6, 7, 8]),
+        new_rows=[NewRow(0, None, [], []), NewRow(1, None, [], [])],
+        new_blocks=int32s([0, 5, 1, 9, 0, 6]),
+    )
     rows.apply(first)
     layout = rows.layout(first)
     assert layout.positions.tolist() == [0, 1, 2, 3, 4, 5, 0, 1]
@@ -64,8 +78,14 @@ def test_row_state_derives_positions_kv_slots_and_tables():
     assert layout.context_lens.tolist() == [6, 2]
     assert layout.block_tables.tolist() == [[5, 6], [9, 0]]
     rows.record_sampled(first, np.array([70, 80]))
-    decode = StepPlan(1, int32s([1, 0]), int32s([2, 6]), int32s([1, 1]), bools([True, True]),
-                      int64s([PLACEHOLDER, PLACEHOLDER]))  # fmt: skip
+    decode = StepPlan(
+        1,
+        int32s([1, 0]),
+        int32s([2, 6]),
+        int32s([1, 1]),
+        bools([True, True]),
+        int64s([PLACEHOLDER, PLACEHOLDER]),
+    )
     rows.apply(decode)
     layout = rows.layout(decode)
     assert rows.input_ids(decode, layout.token_rows).tolist() == [80, 70]
@@ -74,24 +94,41 @@ def test_row_state_derives_positions_kv_slots_and_tables():
 
 def test_a_plan_that_reads_past_its_table_is_refused():
     rows = RowState(block_size=4, max_blocks_per_row=8, rows=1)
-    plan = StepPlan(0, int32s([0]), int32s([0]), int32s([5]), bools([True]), int64s([1] * 5),
-                    new_rows=[NewRow(0, None, [], [])], new_blocks=int32s([0, 3]))  # fmt: skip
+    plan = StepPlan(
+        0,
+        int32s([0]),
+        int32s([0]),
+        int32s([5]),
+        bools([True]),
+        int64s([1] * 5),
+        new_rows=[NewRow(0, None, [], [])],
+        new_blocks=int32s([0, 3]),
+    )
     rows.apply(plan)
     with pytest.raises(ValueError, match="block table"):
         rows.layout(plan)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 1000)), max_size=40),
-       st.lists(st.integers(0, 5), max_size=4))  # fmt: skip
+@given(
+    st.lists(st.tuples(st.integers(0, 5), st.integers(0, 1000)), max_size=40),
+    st.lists(st.integers(0, 5), max_size=4),
+)
 def test_appending_blocks_in_any_order_matches_appending_one_by_one(pairs, resets):
     rows = RowState(block_size=4, max_blocks_per_row=64, rows=6)
     naive: dict[int, list[int]] = {r: [] for r in range(6)}
     for row in resets:  # a reset row starts over before the plan's blocks are appended
         naive[row] = []
-    plan = StepPlan(0, int32s([]), int32s([]), int32s([]), bools([]), int64s([]),
-                    reset_rows=int32s(resets),
-                    new_blocks=int32s([x for pair in pairs for x in pair]))  # fmt: skip
+    plan = StepPlan(
+        0,
+        int32s([]),
+        int32s([]),
+        int32s([]),
+        bools([]),
+        int64s([]),
+        reset_rows=int32s(resets),
+        new_blocks=int32s([x for pair in pairs for x in pair]),
+    )
     rows.apply(plan)
     for row, block in pairs:
         naive[row].append(block)

@@ -18,18 +18,32 @@ from async_engine.client import AsyncClient, Chunk
 from async_engine.server.app import BackgroundServer, ServerOptions
 from async_engine.v1 import generation_pb2 as pb
 
-ANSWERS = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
-           grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS}  # fmt: skip
+ANSWERS = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ALREADY_EXISTS,
+}
 FLOATS = st.floats(allow_nan=True, allow_infinity=True, width=32)
-SETTINGS = settings(max_examples=120, deadline=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+SETTINGS = settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 @pytest.fixture(scope="module")
 def server(default_model: Path):
-    srv = start_server(default_model, ServerOptions(port=0, metrics_port=None), device="sim",
-                       dtype="bfloat16", sim_step_ms=0.2, sim_token_us=0, sim_seq_us=0,
-                       sim_ctx_ns=0, max_model_len=512, num_kv_blocks=256)  # fmt: skip
+    srv = start_server(
+        default_model,
+        ServerOptions(port=0, metrics_port=None),
+        device="sim",
+        dtype="bfloat16",
+        sim_step_ms=0.2,
+        sim_token_us=0,
+        sim_seq_us=0,
+        sim_ctx_ns=0,
+        max_model_len=512,
+        num_kv_blocks=256,
+    )
     yield srv
     srv.close()
 
@@ -57,8 +71,14 @@ def requests(draw: st.DrawFn) -> pb.GenerateRequest:
         for role, content in draw(st.lists(st.tuples(roles, st.text(max_size=40)), max_size=4)):
             msg.chat.messages.add(role=role, content=content)
     s = msg.sampling
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty"):  # fmt: skip
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+    ):
         if (value := draw(optional(FLOATS))) is not None:
             setattr(s, name, value)
     if (top_k := draw(optional(st.integers(-(2**31), 2**31 - 1)))) is not None:
@@ -93,9 +113,11 @@ def requests(draw: st.DrawFn) -> pb.GenerateRequest:
 
 def send(channel: grpc.Channel, payload: bytes) -> grpc.StatusCode:
     """The RPC's final status; a stream that completes must follow the stream rules."""
-    generate = channel.unary_stream("/async_engine.v1.Generation/Generate",
-                                    request_serializer=lambda b: b,
-                                    response_deserializer=pb.GenerateResponse.FromString)  # fmt: skip
+    generate = channel.unary_stream(
+        "/async_engine.v1.Generation/Generate",
+        request_serializer=lambda b: b,
+        response_deserializer=pb.GenerateResponse.FromString,
+    )
     try:
         replies = list(generate(payload, timeout=60))
     except grpc.RpcError as err:

@@ -30,8 +30,13 @@ def client(server: BackgroundServer):
     return openai_client(server)
 
 
-def raw(server: BackgroundServer, method: str, path: str, body: bytes | None = None,
-        headers: dict | None = None) -> tuple[int, dict, bytes]:  # fmt: skip
+def raw(
+    server: BackgroundServer,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    headers: dict | None = None,
+) -> tuple[int, dict, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=30)
     conn.request(method, path, body, {"Content-Type": "application/json", **(headers or {})})
     resp = conn.getresponse()
@@ -58,11 +63,13 @@ def test_models_lists_the_served_model(client, server: BackgroundServer):
 def test_greedy_completion_text_equals_offline_generate(client, tiny_model: Path):
     from async_engine import LLM, SamplingParams
 
-    out = client.completions.create(model="default", prompt="The lighthouse", max_tokens=12,
-                                    **GREEDY)  # fmt: skip
+    out = client.completions.create(
+        model="default", prompt="The lighthouse", max_tokens=12, **GREEDY
+    )
     with LLM(str(tiny_model), dtype="float32", device="cpu", num_kv_blocks=512) as llm:
-        want = llm.generate(["The lighthouse"], SamplingParams(temperature=0.0, max_tokens=12,
-                                                               ignore_eos=True))[0]  # fmt: skip
+        want = llm.generate(
+            ["The lighthouse"], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        )[0]
     assert out.choices[0].text == want.text
     assert out.choices[0].finish_reason == "length"
     assert (
@@ -77,11 +84,17 @@ def test_token_id_prompts_are_accepted(client):
 
 def test_a_chat_stream_adds_up_to_the_whole_answer_and_ends_with_usage(client):
     messages = [{"role": "user", "content": "Tell me about lighthouses"}]
-    whole = client.chat.completions.create(model="default", messages=messages, max_tokens=10,
-                                           **GREEDY)  # fmt: skip
-    stream = client.chat.completions.create(model="default", messages=messages, max_tokens=10,
-                                            stream=True, stream_options={"include_usage": True},
-                                            **GREEDY)  # fmt: skip
+    whole = client.chat.completions.create(
+        model="default", messages=messages, max_tokens=10, **GREEDY
+    )
+    stream = client.chat.completions.create(
+        model="default",
+        messages=messages,
+        max_tokens=10,
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -92,8 +105,14 @@ def test_a_chat_stream_adds_up_to_the_whole_answer_and_ends_with_usage(client):
 
 
 def test_n_two_gives_two_choices_and_a_seed_reproduces_them(client):
-    ask = {"model": "default", "prompt": "Once upon a time", "max_tokens": 8, "n": 2,
-           "seed": 11, "temperature": 1.0}  # fmt: skip
+    ask = {
+        "model": "default",
+        "prompt": "Once upon a time",
+        "max_tokens": 8,
+        "n": 2,
+        "seed": 11,
+        "temperature": 1.0,
+    }
     a, b = client.completions.create(**ask), client.completions.create(**ask)
     assert [c.index for c in a.choices] == [0, 1]
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
@@ -105,15 +124,17 @@ def test_a_stop_string_ends_the_text_before_it(client):
     stop = text[len(text) // 2 : len(text) // 2 + 2]
     if not stop.strip():
         pytest.skip("no stable stop string in this output")
-    cut = client.completions.create(model="default", prompt="The sea", max_tokens=20,
-                                    stop=[stop], **GREEDY)  # fmt: skip
+    cut = client.completions.create(
+        model="default", prompt="The sea", max_tokens=20, stop=[stop], **GREEDY
+    )
     assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
     assert text.startswith(cut.choices[0].text)
 
 
 def test_completion_logprobs_come_per_token(client):
-    out = client.completions.create(model="default", prompt="The sea", max_tokens=4, logprobs=2,
-                                    **GREEDY)  # fmt: skip
+    out = client.completions.create(
+        model="default", prompt="The sea", max_tokens=4, logprobs=2, **GREEDY
+    )
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert all(v <= 0 for v in lp.token_logprobs) and all(len(t) <= 2 for t in lp.top_logprobs)
@@ -155,13 +176,13 @@ def test_a_huge_body_is_refused_and_the_server_keeps_serving(server: BackgroundS
 
 def test_a_draining_server_answers_503(server: BackgroundServer):
     body = json.dumps({"model": "default", "prompt": "hi"}).encode()
-    service = server.server.service
-    service.draining = True
+    state = server.server.state
+    state.draining = True
     try:
         assert raw(server, "POST", "/v1/completions", body)[0] == 503
         assert raw(server, "GET", "/health")[0] == 503
     finally:
-        service.draining = False
+        state.draining = False
     assert raw(server, "GET", "/health")[0] == 200
 
 
@@ -179,8 +200,15 @@ def test_metrics_are_served_on_the_http_port(server: BackgroundServer):
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_blocks(server: BackgroundServer):
-    body = json.dumps({"model": "default", "prompt": "The sea", "max_tokens": 400,
-                       "stream": True, "ignore_eos": True}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": "default",
+            "prompt": "The sea",
+            "max_tokens": 400,
+            "stream": True,
+            "ignore_eos": True,
+        }
+    ).encode()
     conn = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=30)
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -192,9 +220,31 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks(server: BackgroundServ
     assert req.finish_reason is FinishReason.ABORTED and len(req.output_ids) < 400
 
 
+def test_a_client_that_leaves_before_its_whole_answer_aborts_it_at_once(
+    server: BackgroundServer,
+):
+    body = json.dumps(
+        {"model": "default", "prompt": "The sea", "max_tokens": 400, "ignore_eos": True}
+    ).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=30)
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    deadline = time.monotonic() + 10
+    running: list = []
+    while not running and time.monotonic() < deadline:  # generation is under way
+        running = [r for r in list(server.engine.scheduler.requests.values()) if r.output_ids]
+        time.sleep(0.002)
+    (req,) = running
+    left = time.monotonic()
+    conn.close()  # the client goes away before the answer is whole
+    assert wait_idle(server), "the request's blocks did not return"
+    assert req.finish_reason is FinishReason.ABORTED and len(req.output_ids) < 400
+    assert req.abort_time is not None and req.abort_time - left < 0.05, "seen at once, not polled"
+
+
 def test_auth_token_is_required_when_set(tiny_model: Path):
-    options = ServerOptions(port=0, metrics_port=None, http_port=0, auth_token="s3cret",
-                            warmup=False)  # fmt: skip
+    options = ServerOptions(
+        port=0, metrics_port=None, http_port=0, auth_token="s3cret", warmup=False
+    )
     srv = start_server(tiny_model, options)
     try:
         base = f"http://127.0.0.1:{srv.server.http_port}/v1"

@@ -16,12 +16,18 @@ from async_engine.server.app import BackgroundServer, ServerOptions
 from async_engine.server.auth import Principal, Principals
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
-TOKENS = {"tokens": [
-    {"token": "token-search", "principal": "search", "tenants": ["search", "search-batch"],
-     "min_priority": 0},
-    {"token": "token-ops", "principal": "ops"},
-    {"token": "token-batch", "principal": "batch", "min_priority": 10},
-]}  # fmt: skip
+TOKENS = {
+    "tokens": [
+        {
+            "token": "token-search",
+            "principal": "search",
+            "tenants": ["search", "search-batch"],
+            "min_priority": 0,
+        },
+        {"token": "token-ops", "principal": "ops"},
+        {"token": "token-batch", "principal": "batch", "min_priority": 10},
+    ]
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +44,9 @@ async def running(client: AsyncClient, request_id: str, **options) -> asyncio.Ta
     started = asyncio.Event()
 
     async def run() -> None:
-        async for event in client.generate([5] * 4, request_id=request_id, max_tokens=1000,
-                                           **GREEDY, **options):  # fmt: skip
+        async for event in client.generate(
+            [5] * 4, request_id=request_id, max_tokens=1000, **GREEDY, **options
+        ):
             if isinstance(event, Chunk):
                 started.set()
 
@@ -57,8 +64,10 @@ async def stop(task: asyncio.Task) -> None:
 
 
 async def test_another_principals_request_id_is_unknown_to_abort(server: BackgroundServer):
-    async with AsyncClient(server.address, token="token-search") as search, \
-               AsyncClient(server.address, token="token-ops") as ops:  # fmt: skip
+    async with (
+        AsyncClient(server.address, token="token-search") as search,
+        AsyncClient(server.address, token="token-ops") as ops,
+    ):
         task = await running(search, "job-1")
         try:
             assert await ops.abort(["job-1"]) == ([], ["job-1"])
@@ -71,8 +80,10 @@ async def test_another_principals_request_id_is_unknown_to_abort(server: Backgro
 async def test_the_same_request_id_is_free_in_another_scope_and_taken_in_its_own(
     server: BackgroundServer,
 ):
-    async with AsyncClient(server.address, token="token-search") as search, \
-               AsyncClient(server.address, token="token-ops") as ops:  # fmt: skip
+    async with (
+        AsyncClient(server.address, token="token-search") as search,
+        AsyncClient(server.address, token="token-ops") as ops,
+    ):
         task = await running(search, "job-2")
         try:
             other = [e async for e in ops.generate([7] * 4, request_id="job-2", max_tokens=4)]
@@ -105,8 +116,10 @@ async def test_a_request_without_tenant_runs_as_the_tokens_first_tenant(server: 
 
 
 async def test_a_priority_more_urgent_than_the_floor_is_denied(server: BackgroundServer):
-    async with AsyncClient(server.address, token="token-search") as search, \
-               AsyncClient(server.address, token="token-ops") as ops:  # fmt: skip
+    async with (
+        AsyncClient(server.address, token="token-search") as search,
+        AsyncClient(server.address, token="token-ops") as ops,
+    ):
         with pytest.raises(PermissionDenied) as info:
             async for _ in search.generate([7] * 4, priority=-(2**31), max_tokens=4):
                 pass
@@ -135,8 +148,13 @@ def test_http_maps_the_bearer_token_to_its_principal(server: BackgroundServer):
 
 
 def test_an_http_request_runs_at_its_principals_priority_floor(server: BackgroundServer):
-    body = {"model": "default", "prompt": [5, 6, 7], "max_tokens": 1000, "stream": True,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "default",
+        "prompt": [5, 6, 7],
+        "max_tokens": 1000,
+        "stream": True,
+        "ignore_eos": True,
+    }
     conn = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=30)
     try:
         headers = {"content-type": "application/json", "authorization": "Bearer token-batch"}
@@ -144,8 +162,9 @@ def test_an_http_request_runs_at_its_principals_priority_floor(server: Backgroun
         resp = conn.getresponse()
         assert resp.status == 200
         resp.readline()  # its first event: the request is in the engine
-        running = [r for rid, r in server.engine.scheduler.requests.items()
-                   if rid.startswith("batch/")]  # fmt: skip
+        running = [
+            r for rid, r in server.engine.scheduler.requests.items() if rid.startswith("batch/")
+        ]
         assert [r.priority for r in running] == [10]  # not 0, which would overtake others
     finally:
         conn.close()
@@ -175,14 +194,18 @@ def test_the_floor_is_one_rule_for_both_front_ends():
         ("{not json", "auth token file"),
         ('{"tokens": {}}', 'expected {"tokens": [...]}'),
         ('{"tokens": [{"token": "a"}]}', "principal must be"),
-        ('{"tokens": [{"token": "a", "principal": "x"}, {"token": "a", "principal": "y"}]}',
-         "the same token is listed twice"),
+        (
+            '{"tokens": [{"token": "a", "principal": "x"}, {"token": "a", "principal": "y"}]}',
+            "the same token is listed twice",
+        ),
         ('{"tokens": [{"token": "a", "principal": "x", "tenants": []}]}', "tenants must be"),
-        ('{"tokens": [{"token": "a", "principal": "x", "min_priority": "high"}]}',
-         "min_priority must be an integer"),
+        (
+            '{"tokens": [{"token": "a", "principal": "x", "min_priority": "high"}]}',
+            "min_priority must be an integer",
+        ),
         ('{"tokens": [{"token": "a", "principal": "x", "role": "admin"}]}', "unknown keys"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_token_file_is_refused_naming_the_problem(tmp_path: Path, text: str, complaint: str):
     path = tmp_path / "tokens.json"
     path.write_text(text)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from async_engine.core.observer import PHASES
-from async_engine.core.stats import DeviceTimeline
+from async_engine.core.timeline import DeviceTimeline
 from profiling.chrome import from_chrome, load_chrome, to_chrome, validate
 from profiling.nsys import load_nsys
 from profiling.report import DEVICE_SIDE, UNTRACED, analyze
@@ -40,7 +40,7 @@ def traced_run(request, tiny_model):
     with LLM(model=str(tiny_model), dtype="float32", device="cpu", overlap=request.param) as llm:
         # Plan each step as soon as the one before is launched, however long steps take on
         # this machine (planning near the end of long steps is test_step_planning's).
-        llm.engine.PLAN_AFTER_STEP_BELOW = 0.0
+        llm.engine.clock.planning = "overlap"
         tracer = StepTracer.attach(llm.engine)
         prompts = [[100 + i] * (5 + 3 * i) for i in range(4)]
         llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
@@ -266,8 +266,22 @@ def test_import_nsys_command_prints_the_report_and_refuses_other_files(tmp_path,
 
 # ------------------------------------------------------------------ the profile command
 def profile_args(model: Path, out: Path, *more: str) -> list[str]:
-    return ["profile", "--model", str(model), "--dtype", "float32", "--device", "cpu",
-            "--steps", "6", "--requests", "4", "--out", str(out), *more]  # fmt: skip
+    return [
+        "profile",
+        "--model",
+        str(model),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--steps",
+        "6",
+        "--requests",
+        "4",
+        "--out",
+        str(out),
+        *more,
+    ]
 
 
 def test_profile_writes_trace_timeline_and_report(tiny_model, tmp_path, capsys):

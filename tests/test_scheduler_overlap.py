@@ -13,6 +13,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from async_engine.core.policy import make_policy
 from async_engine.core.request import FinishReason, Request
 from async_engine.core.scheduler import Scheduler, SchedulerConfig
 from blockalloc import BlockPool
@@ -94,7 +95,7 @@ requests_strategy = st.lists(
 )
 def test_outputs_are_exact_and_every_block_returns(reqs, num_blocks, budget, overlap, aborts):
     pool = BlockPool(num_blocks, BLOCK)
-    sched = Scheduler(SchedulerConfig(4, budget, 64, BLOCK), pool)
+    sched = Scheduler(SchedulerConfig(64, BLOCK), pool, make_policy("priority", 4, budget))
     device = FakeDevice()
     requests = []
     for i, (prompt_len, max_tokens) in enumerate(reqs):
@@ -103,7 +104,7 @@ def test_outputs_are_exact_and_every_block_returns(reqs, num_blocks, budget, ove
         prompt = [1 + (j if j < 8 else i * 50 + j) for j in range(prompt_len)]
         if len(prompt) + max_tokens > num_blocks * BLOCK:
             continue
-        req = Request(rid, prompt, make_params(rid, max_tokens), arrival_seq=i)
+        req = Request(rid, prompt, make_params(rid, max_tokens), max_model_len=64, arrival_seq=i)
         sched.add_request(req)
         requests.append(req)
     abort_at = {}

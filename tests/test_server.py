@@ -397,15 +397,17 @@ def test_cli_client_reports_errors_with_their_field(server: BackgroundServer, ca
 
 async def test_bytes_that_are_not_protobuf_are_invalid_argument(server: BackgroundServer) -> None:
     async with grpc.aio.insecure_channel(server.address) as channel:
-        generate = channel.unary_stream("/async_engine.v1.Generation/Generate",
-                                        request_serializer=lambda b: b)  # fmt: skip
+        generate = channel.unary_stream(
+            "/async_engine.v1.Generation/Generate", request_serializer=lambda b: b
+        )
         with pytest.raises(grpc.aio.AioRpcError) as err:
             async for _ in generate(b"\xff\xff\xff\xff garbage"):
                 pass
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "GenerateRequest" in err.value.details()
-        load = channel.unary_unary("/async_engine.v1.Generation/GetLoad",
-                                   request_serializer=lambda b: b)  # fmt: skip
+        load = channel.unary_unary(
+            "/async_engine.v1.Generation/GetLoad", request_serializer=lambda b: b
+        )
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await load(b"\x0a\xff")
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,4 +1,4 @@
-"""`async-engine serve` as a process: SIGTERM drains and exits 0; TLS."""
+"""`async-engine serve` as a process: SIGTERM drains and exits 0; TLS; a failed start."""
 
 from __future__ import annotations
 
@@ -25,13 +25,15 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 class ServeProcess:
     def __init__(self, model: Path, *extra: str, own_group: bool = False) -> None:
-        cmd = [
-            sys.executable, "-m", "async_engine.cli.main", "serve", "--model", str(model),
-            "--dtype", "float32", "--device", "cpu", "--port", "0", "--metrics-port", "-1",
-            "--http-port", "0", "--num-kv-blocks", "128", "--device-threads", "1", *extra,
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=own_group)  # fmt: skip
+        flags = (
+            "--dtype float32 --device cpu --port 0 --metrics-port -1 --http-port 0 "
+            "--num-kv-blocks 128 --device-threads 1"
+        )
+        cmd = [sys.executable, "-m", "async_engine.cli.main", "serve", "--model", str(model)]
+        cmd += [*flags.split(), *extra]
+        self.proc = subprocess.Popen(
+            cmd, stderr=subprocess.PIPE, text=True, start_new_session=own_group
+        )
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -114,11 +116,15 @@ async def test_tls_server_serves_clients_that_trust_its_certificate(
 ) -> None:
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
-         "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-        check=True, capture_output=True, env={**os.environ, "RANDFILE": str(tmp_path / "rnd")},
-    )  # fmt: skip
+        [
+            *"openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost".split(),
+            *("-keyout", str(key), "-out", str(cert)),
+            *("-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"),
+        ],
+        check=True,
+        capture_output=True,
+        env={**os.environ, "RANDFILE": str(tmp_path / "rnd")},
+    )
     options = ServerOptions(port=0, metrics_port=None, tls_cert=str(cert), tls_key=str(key))
     server = await asyncio.to_thread(start_server, tiny_model, options, num_kv_blocks=64)
     try:
@@ -161,12 +167,45 @@ def test_a_busy_port_is_named_and_the_server_exits_2(flag: str):
         busy.listen()
         port = str(busy.getsockname()[1])
         ports = {"--port": "0", "--metrics-port": "-1", "--http-port": "0", flag: port}
-        cmd = [sys.executable, "-m", "async_engine.cli.main", "serve", "--device", "sim",
-               *(x for item in ports.items() for x in item)]  # fmt: skip
+        cmd = [sys.executable, "-m", "async_engine.cli.main", "serve", "--device", "sim"]
+        cmd += [x for item in ports.items() for x in item]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert f"127.0.0.1:{port}" in proc.stderr and "server.start_failed" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+async def test_a_start_that_fails_part_way_stops_exactly_what_had_started(
+    default_model: Path,
+) -> None:
+    import socket
+
+    from async_engine.core.engine import AsyncEngine
+    from async_engine.server.app import GenerationServer
+    from async_engine.server.start import ServerStartError
+
+    engine = AsyncEngine(model=str(default_model), device="sim")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        grpc_port = busy.getsockname()[1]
+        # The metrics endpoint, its refresh, the stall watch and the HTTP API start before
+        # gRPC, which cannot listen.
+        options = ServerOptions(port=grpc_port, metrics_port=0, http_port=0, warmup=False)
+        server = GenerationServer(engine, options)
+        before = asyncio.all_tasks()
+        with pytest.raises(ServerStartError, match=f"127.0.0.1:{grpc_port}"):
+            await server.start()
+    try:
+        assert server.metrics_port and server.http_port, "both had started"
+        for port in (server.metrics_port, server.http_port):
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        assert asyncio.all_tasks() <= before, "no task of the server outlives its start"
+        assert not engine.supervisor.listeners
+        await server.stop()  # stopping a server that never started is harmless
+    finally:
+        await engine.aclose()
 
 
 def _rss_mb(pid: int) -> float:

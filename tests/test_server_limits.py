@@ -154,12 +154,16 @@ async def test_failed_step_is_internal_and_the_server_keeps_serving(client: Asyn
         ({"prompt": "a", "stop": ["s"] * 65}, "stop.stop"),
         ({"prompt": "a", "stop": ["s" * 4097]}, "stop.stop"),
         ({"prompt": "a", "stop_token_ids": [1] * 257}, "stop.stop_token_ids"),
-        ({"prompt": "a", "structured_output": ("regex", "a" * ((1 << 18) + 1))},
-         "structured_output.regex"),
+        (
+            {"prompt": "a", "structured_output": ("regex", "a" * ((1 << 18) + 1))},
+            "structured_output.regex",
+        ),
     ],
-    ids=["text", "token-ids", "chat-chars", "chat-count", "request-id", "tenant", "n",
-         "stop-count", "stop-chars", "stop-ids", "structured"],
-)  # fmt: skip
+    ids=(
+        "text token-ids chat-chars chat-count request-id tenant n stop-count stop-chars "
+        "stop-ids structured"
+    ).split(),
+)
 def test_grpc_refuses_each_limit_naming_its_field(request_options, field) -> None:
     """The gRPC side of every limit HTTP applies too (tests/test_intake_off_loop.py)."""
     from async_engine.client.grpc_client import build_request

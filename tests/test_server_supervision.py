@@ -42,8 +42,9 @@ async def wait_health(address: str, serving: bool, timeout: float) -> float:
 async def test_a_killed_device_turns_health_off_then_on_and_streams_end_unavailable(
     tiny_model: Path,
 ):
-    server = start_server(tiny_model, ServerOptions(port=0, metrics_port=None,
-                                                    metrics_interval_s=0.1))  # fmt: skip
+    server = start_server(
+        tiny_model, ServerOptions(port=0, metrics_port=None, metrics_interval_s=0.1)
+    )
     try:
         async with AsyncClient(server.address) as client:
             started = asyncio.Event()
@@ -79,9 +80,12 @@ def device_pid(serve_pid: int) -> int:
 
 
 def test_serve_exits_1_when_the_device_cannot_be_replaced(tiny_model: Path):
-    cmd = [sys.executable, "-m", "async_engine.cli.main", "serve", "--model", str(tiny_model),
-           "--dtype", "float32", "--device", "cpu", "--port", "0", "--metrics-port", "-1",
-           "--http-port", "0", "--device-threads", "1", "--device-restart-limit", "0"]  # fmt: skip
+    flags = (
+        "--dtype float32 --device cpu --port 0 --metrics-port -1 --http-port 0 "
+        "--device-threads 1 --device-restart-limit 0"
+    )
+    cmd = [sys.executable, "-m", "async_engine.cli.main", "serve", "--model", str(tiny_model)]
+    cmd += flags.split()
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stderr is not None
@@ -116,11 +120,18 @@ def test_over_http_a_whole_answer_survives_a_device_kill_and_a_stream_is_told(ti
                 time.sleep(0.005)
 
         def post(stream: bool) -> tuple[int, str]:
-            body = {"model": "default", "prompt": [5, 6, 7], "max_tokens": 300,
-                    "ignore_eos": True, "temperature": 0.0, "stream": stream}  # fmt: skip
+            body = {
+                "model": "default",
+                "prompt": [5, 6, 7],
+                "max_tokens": 300,
+                "ignore_eos": True,
+                "temperature": 0.0,
+                "stream": stream,
+            }
             conn = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=60)
-            conn.request("POST", "/v1/completions", json.dumps(body),
-                         {"content-type": "application/json"})  # fmt: skip
+            conn.request(
+                "POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"}
+            )
             resp = conn.getresponse()
             return resp.status, resp.read().decode()
 

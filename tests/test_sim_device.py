@@ -96,16 +96,23 @@ async def test_an_aborted_stream_is_a_prefix_of_the_oracle_and_frees_its_blocks(
 
 def test_the_default_models_config_runs_with_the_named_settings(default_model: Path):
     # The contract outside checks use: these EngineConfig fields and nothing else.
-    with LLM(model="default", device="sim", sim_step_ms=1.0, sim_token_us=0, sim_seq_us=0,
-             sim_ctx_ns=0) as llm:  # fmt: skip
+    with LLM(
+        model="default", device="sim", sim_step_ms=1.0, sim_token_us=0, sim_seq_us=0, sim_ctx_ns=0
+    ) as llm:
         out = llm.generate(["Hello there"], SamplingParams(max_tokens=4, ignore_eos=True))[0]
         assert len(out.token_ids) == 4 and isinstance(out.text, str)
 
 
 def test_the_modelled_step_time_is_met(default_model: Path):
     step_ms = 3.0
-    with LLM(str(default_model), device="sim", sim_step_ms=step_ms, sim_token_us=0,
-             sim_seq_us=0, sim_ctx_ns=0) as llm:  # fmt: skip
+    with LLM(
+        str(default_model),
+        device="sim",
+        sim_step_ms=step_ms,
+        sim_token_us=0,
+        sim_seq_us=0,
+        sim_ctx_ns=0,
+    ) as llm:
         llm.generate(prompts(4), SamplingParams(max_tokens=30, ignore_eos=True))
         spans = [(end - start) * 1e3 for _, start, end, _ in llm.engine.timeline.spans]
     assert len(spans) >= 30
@@ -157,12 +164,23 @@ def test_the_oracle_never_produces_an_avoided_id():
 
 async def test_a_lone_stream_at_gpu_speed_gets_every_token_as_it_is_made(default_model: Path):
     """Coalescing (the stream pacer) is for hundreds of readers; a few are woken every step."""
-    engine = AsyncEngine(model=str(default_model), device="sim", sim_step_ms=1.0, sim_token_us=0,
-                         sim_seq_us=0, sim_ctx_ns=0)  # fmt: skip
+    engine = AsyncEngine(
+        model=str(default_model),
+        device="sim",
+        sim_step_ms=1.0,
+        sim_token_us=0,
+        sim_seq_us=0,
+        sim_ctx_ns=0,
+    )
     try:
         for _ in range(3):  # long enough for a pacer that reacts to the loop's jitter
-            sizes = [len(d.token_ids) async for d in engine.generate(
-                [5] * 20, SamplingParams(max_tokens=64, ignore_eos=True)) if d.token_ids]  # fmt: skip
+            sizes = [
+                len(d.token_ids)
+                async for d in engine.generate(
+                    [5] * 20, SamplingParams(max_tokens=64, ignore_eos=True)
+                )
+                if d.token_ids
+            ]
             assert sizes == [1] * 64
     finally:
         await engine.aclose()

@@ -26,8 +26,9 @@ SIM = {"device": "sim", "sim_step_ms": 0.3, "sim_token_us": 0, "sim_seq_us": 0, 
 @pytest.fixture(scope="module")
 def sim_server(default_model: Path):
     # A pool of 120 blocks of 16 holds about ten of these requests: preemption takes part.
-    srv = start_server(default_model, max_num_seqs=256, num_kv_blocks=120,
-                       max_num_batched_tokens=2048, **SIM)  # fmt: skip
+    srv = start_server(
+        default_model, max_num_seqs=256, num_kv_blocks=120, max_num_batched_tokens=2048, **SIM
+    )
     yield srv
     srv.close()
 
@@ -37,8 +38,9 @@ def oracle(server: BackgroundServer, prompt: list[int], count: int, seed: int) -
     return oracle_tokens(prompt, count, seed, mc.vocab_size, tuple(mc.eos_token_ids))
 
 
-async def cancelled_after(client: AsyncClient, prompt: list[int], tokens: int,
-                          **options: object) -> Transcript:  # fmt: skip
+async def cancelled_after(
+    client: AsyncClient, prompt: list[int], tokens: int, **options: object
+) -> Transcript:
     """Read until ``tokens`` tokens arrived, then drop the stream (the server aborts it)."""
     out = Transcript()
     stream = client.generate(prompt, **options)

@@ -63,19 +63,21 @@ def test_a_timeout_of_zero_is_refused():
 def test_a_drain_cancels_a_stream_whose_write_stalls_instead_of_waiting(default_model):
     from server_helpers import start_server
 
+    from async_engine.core.group import RequestGroup
     from async_engine.server.app import ServerOptions
     from async_engine.server.service import _Call
 
-    server = start_server(default_model, ServerOptions(port=0, metrics_port=None), device="sim",
-                          dtype="bfloat16")  # fmt: skip
+    server = start_server(
+        default_model, ServerOptions(port=0, metrics_port=None), device="sim", dtype="bfloat16"
+    )
     service, released = server.server.service, []
 
     async def handler_stuck_writing() -> None:
         """What a Generate handler looks like to a client that never reads: in a write."""
-        service.calls["stuck"] = _Call("stuck", "stuck")
+        service.calls["stuck"] = _Call("stuck", "stuck", RequestGroup(server.engine, "stuck", []))
         service.idle.clear()
         try:
-            await blocked_writer(service.stalls, released)
+            await blocked_writer(service.state.stalls, released)
         finally:
             service.calls.pop("stuck")
             service.idle.set()

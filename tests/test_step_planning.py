@@ -60,8 +60,14 @@ class StepWatch:
 
 async def first_step_of_a_request_arriving_mid_step(default_model: Path, step_ms: float):
     """(step running when a request arrived, the first step that carried it)."""
-    engine = AsyncEngine(model=str(default_model), device="sim", sim_step_ms=step_ms, sim_token_us=0,
-                         sim_seq_us=0, sim_ctx_ns=0)  # fmt: skip
+    engine = AsyncEngine(
+        model=str(default_model),
+        device="sim",
+        sim_step_ms=step_ms,
+        sim_token_us=0,
+        sim_seq_us=0,
+        sim_ctx_ns=0,
+    )
     loop = asyncio.get_running_loop()
     late: list[asyncio.Task] = []
 
@@ -70,8 +76,12 @@ async def first_step_of_a_request_arriving_mid_step(default_model: Path, step_ms
             pass
 
     # Step 4's result is in, so step 5 runs: the request comes a fifth of the way into it.
-    watch = StepWatch(4, lambda: loop.call_later(step_ms / 5000, lambda: late.append(
-        asyncio.ensure_future(arrive()))))  # fmt: skip
+    watch = StepWatch(
+        4,
+        lambda: loop.call_later(
+            step_ms / 5000, lambda: late.append(asyncio.ensure_future(arrive()))
+        ),
+    )
     engine.observer = watch
     try:
         params = SamplingParams(max_tokens=14, ignore_eos=True)

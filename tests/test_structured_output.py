@@ -98,8 +98,13 @@ def test_json_object_output_is_an_object(client):
 
 
 def test_a_regex_constrains_a_completion(client):
-    out = client.completions.create(model="default", prompt="My phone number is", max_tokens=20,
-                                    temperature=0, extra_body={"guided_regex": r"\d{3}-\d{4}"})  # fmt: skip
+    out = client.completions.create(
+        model="default",
+        prompt="My phone number is",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"guided_regex": r"\d{3}-\d{4}"},
+    )
     assert re.fullmatch(r"\d{3}-\d{4}", out.choices[0].text)
 
 
@@ -107,8 +112,13 @@ YES_NO = 'root ::= answer "."\nanswer ::= "yes" | "no"'
 
 
 def test_an_ebnf_grammar_constrains_a_completion(client):
-    out = client.completions.create(model="default", prompt="Is the sea salty?", max_tokens=10,
-                                    temperature=0, extra_body={"guided_grammar": YES_NO})  # fmt: skip
+    out = client.completions.create(
+        model="default",
+        prompt="Is the sea salty?",
+        max_tokens=10,
+        temperature=0,
+        extra_body={"guided_grammar": YES_NO},
+    )
     assert out.choices[0].text in ("yes.", "no.")
 
 
@@ -119,8 +129,9 @@ def test_a_lark_grammar_constrains_a_chat_answer(client):
 
 
 def test_a_required_tool_call_parses_into_the_tools_arguments(client):
-    out = ask(client, "What is the weather in Paris?", tools=[WEATHER, TIME],
-              tool_choice="required")  # fmt: skip
+    out = ask(
+        client, "What is the weather in Paris?", tools=[WEATHER, TIME], tool_choice="required"
+    )
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert choice.message.tool_calls, "at least one call"
@@ -131,16 +142,22 @@ def test_a_required_tool_call_parses_into_the_tools_arguments(client):
 
 
 def test_parallel_tool_calls_false_gives_exactly_one_call(client):
-    out = ask(client, "What is the weather in Paris?", tools=[WEATHER, TIME],
-              tool_choice="required", parallel_tool_calls=False)  # fmt: skip
+    out = ask(
+        client,
+        "What is the weather in Paris?",
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
 
 
 def test_a_named_tool_choice_calls_that_tool_also_when_streamed(client):
     choice = {"type": "function", "function": {"name": "get_weather"}}
-    chunks = list(ask(client, "Weather in Rome?", tools=[WEATHER, TIME], tool_choice=choice,
-                      stream=True))  # fmt: skip
+    chunks = list(
+        ask(client, "Weather in Rome?", tools=[WEATHER, TIME], tool_choice=choice, stream=True)
+    )
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert [c.function.name for c in calls] == ["get_weather"]
     jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
@@ -160,8 +177,12 @@ def test_bad_tool_specs_are_named(client):
         ask(client, "hi", tools=[{"type": "function"}])
     assert err.value.body["param"] == "tools"
     with pytest.raises(openai.BadRequestError) as err:
-        ask(client, "hi", tools=[WEATHER], tool_choice={"type": "function",
-                                                        "function": {"name": "nope"}})  # fmt: skip
+        ask(
+            client,
+            "hi",
+            tools=[WEATHER],
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
     assert err.value.body["param"] == "tool_choice"
 
 
@@ -204,8 +225,13 @@ async def test_grpc_generate_takes_a_json_schema(server: BackgroundServer):
 
     schema = SCHEMAS["flat"]
     async with AsyncClient(server.address) as grpc_client:
-        out = await collect(grpc_client, "A person as JSON:", max_tokens=80, temperature=0.0,
-                            structured_output=("json_schema", json.dumps(schema)))  # fmt: skip
+        out = await collect(
+            grpc_client,
+            "A person as JSON:",
+            max_tokens=80,
+            temperature=0.0,
+            structured_output=("json_schema", json.dumps(schema)),
+        )
         jsonschema.validate(json.loads(out.text[0]), schema)
         with pytest.raises(InvalidArgument) as err:
             await collect(grpc_client, "x", structured_output=("regex", "[a-"))
@@ -218,6 +244,11 @@ async def test_grpc_generate_takes_an_ebnf_grammar(server: BackgroundServer):
     from async_engine.client import AsyncClient
 
     async with AsyncClient(server.address) as grpc_client:
-        out = await collect(grpc_client, "Is the sea salty?", max_tokens=10, temperature=0.0,
-                            structured_output=("grammar", YES_NO))  # fmt: skip
+        out = await collect(
+            grpc_client,
+            "Is the sea salty?",
+            max_tokens=10,
+            temperature=0.0,
+            structured_output=("grammar", YES_NO),
+        )
     assert out.text[0] in ("yes.", "no.")

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from async_engine.model import gpu_kernels
-from async_engine.model.attention import AttentionPlan, paged_attention
+from async_engine.model.attention import paged_attention
+from async_engine.model.attention_plan import AttentionPlan
 from streams.batch import ForwardBatch
 
 # @triton.jit picks the interpreter when it decorates, so the variable must be set before
@@ -80,8 +81,9 @@ def _case(seqs, kv_heads, group, head_dim, block_size, dtype, seed=0):
     # This step's K/V are the values already at their slots, so the write is a no-op and the
     # kernel and the reference read the same cache.
     flat_k, flat_v = k32.view(-1, kv_heads, head_dim), v32.view(-1, kv_heads, head_dim)
-    ref = paged_attention(q.float(), flat_k[slots], flat_v[slots], k32.clone(), v32.clone(),
-                          slots, plan)  # fmt: skip
+    ref = paged_attention(
+        q.float(), flat_k[slots], flat_v[slots], k32.clone(), v32.clone(), slots, plan
+    )
     lens = torch.tensor([ctx for _, ctx in seqs])
     return q, k_cache, v_cache, tables, lens, ref.view(q.shape)
 
@@ -155,8 +157,9 @@ VARLEN_CASES = [
 
 @pytest.mark.parametrize("group,kv_heads,head_dim,block_size,dtype,block_m", VARLEN_CASES)
 def test_varlen_matches_the_torch_path(group, kv_heads, head_dim, block_size, dtype, block_m):
-    q, k_cache, v_cache, tables, lens, ref = _case(MIXED, kv_heads, group, head_dim, block_size,
-                                                   dtype, seed=1)  # fmt: skip
+    q, k_cache, v_cache, tables, lens, ref = _case(
+        MIXED, kv_heads, group, head_dim, block_size, dtype, seed=1
+    )
     q_lens = torch.tensor([ql for ql, _ in MIXED])
     starts = torch.cumsum(q_lens, 0) - q_lens
     out = pa.paged_varlen(q, k_cache, v_cache, tables, starts, q_lens, lens, block_m=block_m)
@@ -196,8 +199,9 @@ def test_kernels_ignore_stale_slots():
             last = tables[i, (ctx - 1) // 16]
             cache[last, ctx % 16 :] = float("nan")
     q_lens = torch.tensor([1, 5])
-    out = pa.paged_varlen(q, k_cache, v_cache, tables, torch.tensor([0, 1]), q_lens, lens,
-                          block_m=16)  # fmt: skip
+    out = pa.paged_varlen(
+        q, k_cache, v_cache, tables, torch.tensor([0, 1]), q_lens, lens, block_m=16
+    )
     assert _close(out, ref)
     # int32 tables and lengths, as a CUDA runner may keep them, work the same.
     dec = pa.paged_decode(q[:1], k_cache, v_cache, tables[:1].int(), lens[:1].int())
@@ -234,8 +238,12 @@ def sm90_builds() -> dict[tuple, dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # set from outside
     proc = subprocess.run(
         [sys.executable, "-m", "async_engine.model.gpu_kernels.aot", "--group", "3"],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     return {(r["kernel"], r["dtype"], r["head_dim"], r["block_size"]): r for r in rows}
@@ -279,7 +287,8 @@ def test_the_package_does_not_import_triton():
         "import sys; from async_engine.model import gpu_kernels; gpu_kernels.available(); "
         "print('triton' in sys.modules)"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == ("True" if torch.cuda.is_available() else "False")

@@ -24,14 +24,41 @@ OVERLAP_TARGET = 1.2  # tokens/s overlap on / off
 GRAPHS_TARGET = 1.5  # tokens/s graphs on / off, overlap on
 
 
-def offline_argv(folder: Path, batch: int, graphs: bool, out: Path, device: str = "cuda",
-                 dtype: str = "bfloat16", max_tokens: int = MAX_TOKENS) -> list[str]:  # fmt: skip
+def offline_argv(
+    folder: Path,
+    batch: int,
+    graphs: bool,
+    out: Path,
+    device: str = "cuda",
+    dtype: str = "bfloat16",
+    max_tokens: int = MAX_TOKENS,
+) -> list[str]:
     """``batch`` requests, all admitted at once (max_num_seqs = batch)."""
-    return ["bench", "offline", "--model", str(folder), "--device", device,
-            "--load-format", "dummy", "--dtype", dtype, "--requests", str(batch),
-            "--max-num-seqs", str(batch), "--max-tokens", str(max_tokens), "--rounds", "1",
-            "--skip-hf", "--cuda-graphs", "on" if graphs else "off",
-            "--json", str(out)]  # fmt: skip
+    return [
+        "bench",
+        "offline",
+        "--model",
+        str(folder),
+        "--device",
+        device,
+        "--load-format",
+        "dummy",
+        "--dtype",
+        dtype,
+        "--requests",
+        str(batch),
+        "--max-num-seqs",
+        str(batch),
+        "--max-tokens",
+        str(max_tokens),
+        "--rounds",
+        "1",
+        "--skip-hf",
+        "--cuda-graphs",
+        "on" if graphs else "off",
+        "--json",
+        str(out),
+    ]
 
 
 def run_figures(report: dict[str, Any], batch: int, graphs: bool) -> dict[str, Any]:
@@ -62,8 +89,11 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Ratios per batch and the targets, from whichever runs completed."""
     by = {(r["batch"], r["cuda_graphs"]): r for r in runs}
     overlap = {b: r["overlap_ratio"] for (b, graphs), r in by.items() if graphs}
-    graphs_ratio = {b: by[b, True]["on_tokens_per_s"] / by[b, False]["on_tokens_per_s"]
-                    for b, g in by if g and (b, False) in by}  # fmt: skip
+    graphs_ratio = {
+        b: by[b, True]["on_tokens_per_s"] / by[b, False]["on_tokens_per_s"]
+        for b, g in by
+        if g and (b, False) in by
+    }
     at = min((b for b, _ in by), default=min(BATCHES))
     busy = by[at, True]["steady_decode_busy_on"] if (at, True) in by else None
     return {
@@ -98,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         for batch in (int(b) for b in args.batches.split(",") if b):
             for graphs in (True, False):
                 out = Path(tmp) / f"bench-{batch}-{graphs}.json"
-                argv_ = offline_argv(folder, batch, graphs, out, args.device, args.dtype,
-                                     args.max_tokens)  # fmt: skip
+                argv_ = offline_argv(
+                    folder, batch, graphs, out, args.device, args.dtype, args.max_tokens
+                )
                 try:  # one broken configuration must not cost the others' figures
                     status: int | str = run_cli(argv_)
                 except Exception as exc:

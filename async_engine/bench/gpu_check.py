@@ -27,10 +27,20 @@ from pathlib import Path
 
 # The engine test there needs the default model, which the GPU host lacks (its wheel is too
 # big to carry); the identity phase makes the same comparison on weights it writes itself.
-PYTEST_CUDA = ["-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
-               "--deselect", "tests/test_cuda.py::test_cuda_engine_greedy_equals_cpu_engine",
-               "tests/test_cuda.py", "tests/test_pipelined_runner.py",
-               "tests/test_device_sampler.py"]  # fmt: skip
+PYTEST_CUDA = [
+    "-m",
+    "pytest",
+    "-q",
+    "-m",
+    "cuda",
+    "-p",
+    "no:cacheprovider",
+    "--deselect",
+    "tests/test_cuda.py::test_cuda_engine_greedy_equals_cpu_engine",
+    "tests/test_cuda.py",
+    "tests/test_pipelined_runner.py",
+    "tests/test_device_sampler.py",
+]
 
 
 def _module(name: str) -> list[str]:
@@ -72,8 +82,13 @@ def run_phase(name: str, command: list[str], limit: int, report: Path) -> bool:
             records.append(json.loads(line))
         except ValueError:
             continue
-    entry = {"phase": name, "status": status, "seconds": round(time.monotonic() - started, 1),
-             "records": records, "output_tail": (out + err)[-4000:]}  # fmt: skip
+    entry = {
+        "phase": name,
+        "status": status,
+        "seconds": round(time.monotonic() - started, 1),
+        "records": records,
+        "output_tail": (out + err)[-4000:],
+    }
     with report.open("a") as f:
         f.write(json.dumps(entry) + "\n")
     print(f"{name}: {status} in {entry['seconds']} s", flush=True)
@@ -108,8 +123,9 @@ def _run(command: list[str], limit: int) -> tuple[int | str, str, str]:
     """Exit status (or "timeout"), stdout and stderr of ``command``, in its own process group:
     the engine's device processes inherit the output pipes, so a hung one would keep them
     open past the phase's end; the group is killed whole once the phase is over."""
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=limit)
         status: int | str = proc.returncode
@@ -124,11 +140,19 @@ def _run(command: list[str], limit: int) -> tuple[int | str, str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("gpu-check.json"),
-                        help="JSON lines report, one line per phase")  # fmt: skip
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("gpu-check.json"),
+        help="JSON lines report, one line per phase",
+    )
     parser.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset")
-    parser.add_argument("--wheels", type=Path, default=None,
-                        help="folder of wheels to import from (make gpu-wheels)")  # fmt: skip
+    parser.add_argument(
+        "--wheels",
+        type=Path,
+        default=None,
+        help="folder of wheels to import from (make gpu-wheels)",
+    )
     args = parser.parse_args(argv)
     names = [n for n in args.phases.split(",") if n]
     unknown = [n for n in names if n not in PHASES]

@@ -24,8 +24,12 @@ from sampler.params import SamplingParams
 
 PROMPT_LENS = (3, 17, 40, 64, 100, 9)  # 100 spans several KV blocks and the chunked budget
 MAX_TOKENS = 32
-BASE: dict[str, Any] = {"dtype": "float32", "max_num_seqs": 16, "num_kv_blocks": 256,
-                        "max_model_len": 512}  # fmt: skip
+BASE: dict[str, Any] = {
+    "dtype": "float32",
+    "max_num_seqs": 16,
+    "num_kv_blocks": 256,
+    "max_model_len": 512,
+}
 REFERENCE: dict[str, Any] = {"device": "cpu", "device_runner": "sync"}
 # name -> engine options over BASE, on the device under test with the pipelined runner.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -51,8 +55,9 @@ def workload(vocab: int, seed: int = 0) -> tuple[list[list[int]], list[SamplingP
     return prompts, params
 
 
-def generate(folder: Path, options: dict[str, Any], prompts: list[list[int]],
-             params: list[SamplingParams]) -> dict[str, Any]:  # fmt: skip
+def generate(
+    folder: Path, options: dict[str, Any], prompts: list[list[int]], params: list[SamplingParams]
+) -> dict[str, Any]:
     """Token ids and top logprobs per prompt, and the engine's preemptions."""
     from async_engine.core.llm import LLM
 
@@ -68,8 +73,9 @@ def generate(folder: Path, options: dict[str, Any], prompts: list[list[int]],
     }
 
 
-def attempt(folder: Path, options: dict[str, Any], prompts: list[list[int]],
-            params: list[SamplingParams]) -> dict[str, Any]:  # fmt: skip
+def attempt(
+    folder: Path, options: dict[str, Any], prompts: list[list[int]], params: list[SamplingParams]
+) -> dict[str, Any]:
     """``generate``, or {"error": its traceback's tail}: one variant that crashes must not
     cost the others' results."""
     try:
@@ -78,8 +84,9 @@ def attempt(folder: Path, options: dict[str, Any], prompts: list[list[int]],
         return {"error": traceback.format_exc()[-3000:]}
 
 
-def first_mismatches(want: list[list[int]], got: list[list[int]],
-                     top: list[Any] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+def first_mismatches(
+    want: list[list[int]], got: list[list[int]], top: list[Any] | None = None
+) -> list[dict[str, Any]]:
     """Per differing prompt: the first index where the tokens differ (or one list ends), and
     where the reference has top-2 logprobs there, their margin (tiny: a near-tie)."""
     out = []
@@ -88,9 +95,12 @@ def first_mismatches(want: list[list[int]], got: list[list[int]],
             continue
         pairs = enumerate(zip(a, b, strict=False))  # one may be shorter
         at = next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
-        entry: dict[str, Any] = {"prompt": row, "index": at,
-                                 "want": a[at] if at < len(a) else None,
-                                 "got": b[at] if at < len(b) else None}  # fmt: skip
+        entry: dict[str, Any] = {
+            "prompt": row,
+            "index": at,
+            "want": a[at] if at < len(a) else None,
+            "got": b[at] if at < len(b) else None,
+        }
         pair = top[row][at] if top and top[row] and at < len(top[row]) else None
         if pair is not None and len(pair) >= 2:
             entry["ref_margin"] = pair[0][1] - pair[1][1]
@@ -104,8 +114,7 @@ def agreement(want: list[list[int]], got: list[list[int]], rows: list[int]) -> f
     return sum(x == y for x, y in pairs) / len(pairs) if pairs else float("nan")
 
 
-def check_shape(shape: str, folder: Path, device: str, variants: list[str],
-                bf16: bool) -> bool:  # fmt: skip
+def check_shape(shape: str, folder: Path, device: str, variants: list[str], bf16: bool) -> bool:
     """The reference once, then each variant on ``device``; one record each."""
     vocab = SHAPES[shape]["vocab_size"]
     prompts, params = workload(vocab)
@@ -122,14 +131,27 @@ def check_shape(shape: str, folder: Path, device: str, variants: list[str],
     for name in variants:
         run = attempt(folder, {**under_test, **VARIANTS[name]}, prompts, params)
         if "error" in run:
-            emit({"shape": shape, "variant": name, "device": device, "ok": False,
-                  "error": run["error"]})  # fmt: skip
+            emit(
+                {
+                    "shape": shape,
+                    "variant": name,
+                    "device": device,
+                    "ok": False,
+                    "error": run["error"],
+                }
+            )
             ok = False
             continue
         mismatches = first_mismatches(ref["tokens"], run["tokens"], ref["top"])
         good = not mismatches
-        record = {"shape": shape, "variant": name, "device": device, "ok": good,
-                  "mismatches": mismatches, "seconds": run["seconds"]}  # fmt: skip
+        record = {
+            "shape": shape,
+            "variant": name,
+            "device": device,
+            "ok": good,
+            "mismatches": mismatches,
+            "seconds": run["seconds"],
+        }
         if name == "preempt":  # a run that never preempted proved nothing
             record["preemptions"] = run["preemptions"]
             good &= run["preemptions"] > 0
@@ -139,14 +161,28 @@ def check_shape(shape: str, folder: Path, device: str, variants: list[str],
     if bf16:
         run = attempt(folder, {**under_test, **BF16}, prompts, params)
         if "error" in run:  # the agreement is only reported; a crash is a failure
-            emit({"shape": shape, "variant": "bf16-greedy", "device": device, "ok": False,
-                  "error": run["error"]})  # fmt: skip
+            emit(
+                {
+                    "shape": shape,
+                    "variant": "bf16-greedy",
+                    "device": device,
+                    "ok": False,
+                    "error": run["error"],
+                }
+            )
             return False
         greedy = [i for i, p in enumerate(params) if p.greedy]
-        emit({"shape": shape, "variant": "bf16-greedy", "device": device,
-              "agreement": agreement(ref["tokens"], run["tokens"], greedy),
-              "identical_prompts": sum(ref["tokens"][i] == run["tokens"][i] for i in greedy),
-              "greedy_prompts": len(greedy), "seconds": run["seconds"]})  # fmt: skip
+        emit(
+            {
+                "shape": shape,
+                "variant": "bf16-greedy",
+                "device": device,
+                "agreement": agreement(ref["tokens"], run["tokens"], greedy),
+                "identical_prompts": sum(ref["tokens"][i] == run["tokens"][i] for i in greedy),
+                "greedy_prompts": len(greedy),
+                "seconds": run["seconds"],
+            }
+        )
     return ok
 
 

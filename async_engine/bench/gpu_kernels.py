@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from async_engine.model.attention import AttentionPlan, paged_attention
+from async_engine.model.attention import paged_attention
+from async_engine.model.attention_plan import AttentionPlan
 from streams.batch import ForwardBatch
 
 TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
@@ -27,8 +28,13 @@ def emit(record: dict[str, Any]) -> None:
     print(json.dumps(record), flush=True)
 
 
-def step(seqs: list[tuple[int, int]], heads: tuple[int, int, int], block_size: int,
-         dtype: torch.dtype, seed: int = 0) -> tuple[Any, ...]:  # fmt: skip
+def step(
+    seqs: list[tuple[int, int]],
+    heads: tuple[int, int, int],
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> tuple[Any, ...]:
     """A random paged cache, this step's queries and K/V, and its ForwardBatch, on the GPU."""
     num_heads, kv_heads, head_dim = heads
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -51,10 +57,14 @@ def step(seqs: list[tuple[int, int]], heads: tuple[int, int, int], block_size: i
     k = k_cache.view(-1, kv_heads, head_dim)[slots].clone()
     v = v_cache.view(-1, kv_heads, head_dim)[slots].clone()
     batch = ForwardBatch(
-        input_ids=torch.zeros(tokens, dtype=torch.int64, device="cuda"), positions=positions,
-        slot_mapping=slots, query_lens=[q for q, _ in seqs], context_lens=[c for _, c in seqs],
-        block_tables=tables, logits_indices=torch.arange(tokens, device="cuda"),
-    )  # fmt: skip
+        input_ids=torch.zeros(tokens, dtype=torch.int64, device="cuda"),
+        positions=positions,
+        slot_mapping=slots,
+        query_lens=[q for q, _ in seqs],
+        context_lens=[c for _, c in seqs],
+        block_tables=tables,
+        logits_indices=torch.arange(tokens, device="cuda"),
+    )
     return q, k, v, k_cache, v_cache, batch
 
 
@@ -72,16 +82,27 @@ def check_attention() -> bool:
                 for name, seqs in (("mixed", MIXED), ("decode", [(1, c) for c in (1, 77, 2048)])):
                     inputs = step(seqs, heads, block_size, dtype)
                     q, k, v, k_cache, v_cache, batch = inputs
-                    ref = attend((q.float(), k.float(), v.float(), k_cache.float(),
-                                  v_cache.float(), batch), block_size, triton=False)  # fmt: skip
+                    ref = attend(
+                        (q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), batch),
+                        block_size,
+                        triton=False,
+                    )
                     out = attend(inputs, block_size, triton=True).float()
                     atol, rtol = TOLERANCE[dtype]
                     err = (out - ref).abs().max().item()
                     good = bool(((out - ref).abs() <= atol + rtol * ref.abs()).all())
                     ok &= good
-                    emit({"check": "attention", "case": name, "heads": heads,
-                          "block_size": block_size, "dtype": str(dtype), "max_err": err,
-                          "ok": good})  # fmt: skip
+                    emit(
+                        {
+                            "check": "attention",
+                            "case": name,
+                            "heads": heads,
+                            "block_size": block_size,
+                            "dtype": str(dtype),
+                            "max_err": err,
+                            "ok": good,
+                        }
+                    )
     return ok
 
 
@@ -101,8 +122,7 @@ def check_glue() -> bool:
 
 def time_decode(batch_size: int, context: int, heads: tuple[int, int, int]) -> None:
     """Decode attention of one layer: the Triton kernel against gather + SDPA, CUDA events."""
-    q, k, v, k_cache, v_cache, batch = step([(1, context)] * batch_size, heads, 16,
-                                            torch.bfloat16)  # fmt: skip
+    q, k, v, k_cache, v_cache, batch = step([(1, context)] * batch_size, heads, 16, torch.bfloat16)
     times = {}
     for triton in (True, False):
         # Planned once, as a step is for all its layers: the timing is one layer's attention.
@@ -120,9 +140,17 @@ def time_decode(batch_size: int, context: int, heads: tuple[int, int, int]) -> N
         end.record()
         end.synchronize()
         times["triton" if triton else "gather"] = start.elapsed_time(end) / 20
-    emit({"timing": "decode_attention", "batch": batch_size, "context": context, "heads": heads,
-          "ms_triton": times["triton"], "ms_gather": times["gather"],
-          "gather_over_triton": times["gather"] / times["triton"]})  # fmt: skip
+    emit(
+        {
+            "timing": "decode_attention",
+            "batch": batch_size,
+            "context": context,
+            "heads": heads,
+            "ms_triton": times["triton"],
+            "ms_gather": times["gather"],
+            "gather_over_triton": times["gather"] / times["triton"],
+        }
+    )
 
 
 def main() -> int:

@@ -31,12 +31,34 @@ _PATTERNS = {
 }
 
 
-def profile_argv(folder: Path, out: Path, device: str = "cuda", dtype: str = "bfloat16",
-                 steps: int = STEPS, requests: int = REQUESTS) -> list[str]:  # fmt: skip
-    return ["profile", "--compare", "--model", str(folder), "--device", device,
-            "--load-format", "dummy", "--dtype", dtype, "--steps", str(steps),
-            "--requests", str(requests), "--max-num-seqs", str(requests),
-            "--out", str(out)]  # fmt: skip
+def profile_argv(
+    folder: Path,
+    out: Path,
+    device: str = "cuda",
+    dtype: str = "bfloat16",
+    steps: int = STEPS,
+    requests: int = REQUESTS,
+) -> list[str]:
+    return [
+        "profile",
+        "--compare",
+        "--model",
+        str(folder),
+        "--device",
+        device,
+        "--load-format",
+        "dummy",
+        "--dtype",
+        dtype,
+        "--steps",
+        str(steps),
+        "--requests",
+        str(requests),
+        "--max-num-seqs",
+        str(requests),
+        "--out",
+        str(out),
+    ]
 
 
 def _num(text: str) -> float | None:
@@ -59,8 +81,12 @@ def report_figures(text: str) -> dict[str, Any]:
         elif m := _PATTERNS["steady"].match(line):
             figures["steady_decode_idle"], figures["steady_decode_pairs"] = _share(m[1]), int(m[2])
         elif m := _PATTERNS["gaps"].match(line):
-            figures["gaps"][m[1]] = {"count": int(m[2]), "p50_ms": _num(m[3]),
-                                     "p95_ms": _num(m[4]), "max_ms": _num(m[5])}  # fmt: skip
+            figures["gaps"][m[1]] = {
+                "count": int(m[2]),
+                "p50_ms": _num(m[3]),
+                "p95_ms": _num(m[4]),
+                "max_ms": _num(m[5]),
+            }
         elif m := _PATTERNS["blame"].match(line):
             figures["blame_share"][m[1]] = _share(m[3])
     figures["head"] = "\n".join(text.splitlines()[:HEAD_LINES])
@@ -78,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu-profile-") as tmp:
         folder = write_model(Path(tmp) / args.shape, SHAPES[args.shape], weights=False)
         out = Path(tmp) / "out"
-        status = run_cli(profile_argv(folder, out, args.device, args.dtype, args.steps,
-                                      args.requests))  # fmt: skip
+        status = run_cli(
+            profile_argv(folder, out, args.device, args.dtype, args.steps, args.requests)
+        )
         ok = status == 0
         for mode in ("on", "off"):
             report = out / mode / "report.txt"

@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
-Hostile = Callable[[], Awaitable[Any]]
-STOPS = [f"{i:03d}" + "s" * 60 for i in range(64)]  # the maximum: 64 strings, 4 KiB
+from async_engine.bench.hostile_kinds import grpc_kinds, http_kinds
 
 
 async def latency(client: Any, count: int = 15) -> float:
@@ -32,8 +30,9 @@ async def latency(client: Any, count: int = 15) -> float:
     times = []
     for _ in range(count):
         start = time.perf_counter()
-        async for _ in client.generate([7, 8, 9, 10], max_tokens=4, temperature=0.0,
-                                       ignore_eos=True):  # fmt: skip
+        async for _ in client.generate(
+            [7, 8, 9, 10], max_tokens=4, temperature=0.0, ignore_eos=True
+        ):
             pass
         times.append(time.perf_counter() - start)
     return statistics.median(times)
@@ -50,12 +49,20 @@ async def worst_stall(client: Any, stop: asyncio.Event) -> float:
     return worst
 
 
-async def beside(client: Any, kind: str, address: str, http_port: int | None,
-                 loops: int = 2) -> tuple[float, float]:  # fmt: skip
+async def beside(
+    client: Any, kind: str, address: str, http_port: int | None, loops: int = 2
+) -> tuple[float, float]:
     """(4-token latency, worst loop stall) while hostile ``kind`` runs in ``loops`` loops, in
     a process of its own: run here, its own work (encoding 4 MB bodies) would be measured."""
-    argv = [sys.executable, "-m", "async_engine.bench.hostile", kind, address,
-            str(http_port or 0), str(loops)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "async_engine.bench.hostile",
+        kind,
+        address,
+        str(http_port or 0),
+        str(loops),
+    ]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     stop = asyncio.Event()
     try:
@@ -86,73 +93,6 @@ async def _hostile_loops(kind: str, address: str, http_port: int, loops: int) ->
         await asyncio.sleep(0.2)
         print("started", flush=True)
         await asyncio.gather(*tasks)
-
-
-async def http_post(port: int, path: str, body: bytes) -> int:
-    """POST ``body`` as JSON; the response's status code (0: the server hung up)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(
-            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-            + body
-        )
-        await writer.drain()
-        line = await reader.readline()
-        return int(line.split()[1]) if line.startswith(b"HTTP/") else 0
-    finally:
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-
-
-def grpc_kinds(client: Any) -> dict[str, Hostile]:
-    async def drain(**request: Any) -> None:
-        async for _ in client.generate(**request):
-            pass
-
-    thousand = [{"role": "user" if i % 2 == 0 else "assistant", "content": "w" * 1000}
-                for i in range(1000)]  # fmt: skip
-    templated = [{"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 240}
-                 for i in range(500)]  # fmt: skip
-    return {
-        "4 MB prompts": lambda: drain(prompt="x" * (4 << 20), max_tokens=1),
-        "100k-char prompts": lambda: drain(prompt="word " * 20_000, max_tokens=1),
-        "64 stop strings x 256 tokens": lambda: drain(prompt=[5, 6, 7], max_tokens=256,
-                                                      stop=STOPS, ignore_eos=True),
-        "the same 256 tokens, no stop strings": lambda: drain(prompt=[5, 6, 7], max_tokens=256,
-                                                              ignore_eos=True),
-        "1 MiB chats": lambda: drain(messages=[{"role": "user", "content": "x" * (1 << 20)}],
-                                     max_tokens=1),
-        "1,000-message chats": lambda: drain(messages=thousand, max_tokens=1),
-        "0.6 M-char chats, templated": lambda: drain(messages=templated, max_tokens=1),
-        "grammar bombs (regex)": lambda: drain(prompt=[5], max_tokens=1,
-                                               structured_output=("regex", "(a|aa)*" * 2000)),
-    }  # fmt: skip
-
-
-def http_kinds(port: int) -> dict[str, Hostile]:
-    def chat(content: str, **extra: Any) -> bytes:
-        return json.dumps({"model": "default", "max_tokens": 1, **extra,
-                           "messages": [{"role": "user", "content": content}]}).encode()  # fmt: skip
-
-    def tools() -> list[dict]:  # 128 functions with schemas never seen before: no cache helps
-        salt = os.urandom(4).hex()
-        return [{"type": "function", "function": {"name": f"f{i}", "parameters": {
-            "type": "object", "properties": {f"p{salt}": {"type": "string"}}}}}
-            for i in range(128)]  # fmt: skip
-
-    deep = b'{"model": "default", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    enum = {"type": "json_schema", "json_schema": {"name": "e", "schema": {
-        "enum": [f"v{i}" for i in range(100_000)]}}}  # fmt: skip
-    return {
-        "HTTP 4 MB chats": lambda: http_post(port, "/v1/chat/completions", chat("x" * (4 << 20))),
-        "HTTP chats with 128 new tools, auto": lambda: http_post(
-            port, "/v1/chat/completions", chat("hi " * 5000, tools=tools())),
-        "HTTP bodies nested 100k deep": lambda: http_post(port, "/v1/completions", deep),
-        "HTTP grammar bombs (a 100k enum)": lambda: http_post(
-            port, "/v1/chat/completions", chat("a", response_format=enum)),
-    }  # fmt: skip
 
 
 Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
@@ -207,13 +147,24 @@ async def run(address: str, http_port: int | None, server: Any, rss_mb: Callable
 
     async with AsyncClient(address) as client:
         alone = await latency(client)
-        rows = [{"beside": "nothing", "4-token latency ms": round(1000 * alone, 1),
-                 "ratio": 1.0, "worst loop stall ms": None}]  # fmt: skip
+        rows = [
+            {
+                "beside": "nothing",
+                "4-token latency ms": round(1000 * alone, 1),
+                "ratio": 1.0,
+                "worst loop stall ms": None,
+            }
+        ]
 
         def row(name: str, took: float, stall: float) -> None:
-            rows.append({"beside": name, "4-token latency ms": round(1000 * took, 1),
-                         "ratio": round(took / alone, 2),
-                         "worst loop stall ms": round(1000 * stall, 1)})  # fmt: skip
+            rows.append(
+                {
+                    "beside": name,
+                    "4-token latency ms": round(1000 * took, 1),
+                    "ratio": round(took / alone, 2),
+                    "worst loop stall ms": round(1000 * stall, 1),
+                }
+            )
 
         kinds = list(grpc_kinds(client)) + (list(http_kinds(http_port)) if http_port else [])
         for name in kinds:
@@ -254,8 +205,9 @@ os.kill(os.getpid(), signal.SIGSTOP)
 async def unread_streams(address: str, server: Any, rss_mb: Callable) -> dict:
     """The server's RSS while 24 streams with logprobs=20 are never read."""
     before = rss_mb(server.pid)
-    proc = subprocess.Popen([sys.executable, "-c", UNREAD_CLIENT, address],
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", UNREAD_CLIENT, address], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout is not None
         proc.stdout.readline()
@@ -267,9 +219,12 @@ async def unread_streams(address: str, server: Any, rss_mb: Callable) -> dict:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
     await asyncio.sleep(1.0)
-    return {"beside": "24 never-read streams, logprobs=20: server RSS MB before / peak / after",
-            "4-token latency ms": f"{before:.0f} / {peak:.0f} / {rss_mb(server.pid):.0f}",
-            "ratio": None, "worst loop stall ms": None}  # fmt: skip
+    return {
+        "beside": "24 never-read streams, logprobs=20: server RSS MB before / peak / after",
+        "4-token latency ms": f"{before:.0f} / {peak:.0f} / {rss_mb(server.pid):.0f}",
+        "ratio": None,
+        "worst loop stall ms": None,
+    }
 
 
 async def _mix(address: str, http_port: int) -> None:
@@ -287,8 +242,15 @@ async def _mix(address: str, http_port: int) -> None:
 
 def during(address: str, http_port: int | None) -> subprocess.Popen:
     """Start the hostile mix beside a soak; the caller kills it when the soak ends."""
-    argv = [sys.executable, "-m", "async_engine.bench.hostile", "--mix", address,
-            str(http_port or 0), "1"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "async_engine.bench.hostile",
+        "--mix",
+        address,
+        str(http_port or 0),
+        "1",
+    ]
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL)
 
 

@@ -69,8 +69,22 @@ def run_llama_server(
     per_slot = max(len(p) for p in prompts) + max_tokens + 16
     threads = threads or os.cpu_count() or 1
     port = _free_port()
-    cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-           "-cb", "-t", str(threads), "-c", str(slots * per_slot)]  # fmt: skip
+    cmd = [
+        binary,
+        "-m",
+        gguf,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-np",
+        str(slots),
+        "-cb",
+        "-t",
+        str(threads),
+        "-c",
+        str(slots * per_slot),
+    ]
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -78,8 +92,14 @@ def run_llama_server(
             _wait_healthy(url, proc, start_timeout)
 
             def one(prompt: list[int]) -> int:
-                body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0,
-                        "top_k": 1, "ignore_eos": True, "cache_prompt": False}  # fmt: skip
+                body = {
+                    "prompt": prompt,
+                    "n_predict": max_tokens,
+                    "temperature": 0.0,
+                    "top_k": 1,
+                    "ignore_eos": True,
+                    "cache_prompt": False,
+                }
                 return int(_post(f"{url}/completion", body, timeout=3600)["tokens_predicted"])
 
             one(prompts[0][:16])  # warm-up
@@ -94,5 +114,11 @@ def run_llama_server(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
-            "threads": threads, "slots": slots, "command": " ".join(cmd)}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall,
+        "threads": threads,
+        "slots": slots,
+        "command": " ".join(cmd),
+    }

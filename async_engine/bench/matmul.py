@@ -12,8 +12,15 @@ import time
 import torch
 
 
-def matmul_only_ms(folder: str, dtype: str, batch: int, threads: int, reps: int = 20,
-                   device: str = "cpu", load_format: str = "auto") -> float:  # fmt: skip
+def matmul_only_ms(
+    folder: str,
+    dtype: str,
+    batch: int,
+    threads: int,
+    reps: int = 20,
+    device: str = "cpu",
+    load_format: str = "auto",
+) -> float:
     """Median ms of one decode step's matmuls (every layer's qkv, o, gate|up and down, and the
     head) at ``batch`` rows, with the model's packed weights and ``threads`` torch threads, on
     the engine's device and with its weights (``load_format`` "dummy": random ones)."""

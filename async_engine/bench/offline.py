@@ -11,6 +11,7 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
+from async_engine.bench.offline_table import print_table
 from async_engine.core.workload import Workload
 from sampler.params import SamplingParams
 
@@ -55,17 +56,21 @@ def full_batch_decode_ms(plans: list[Any], spans: Any) -> tuple[float, int]:
     return (1e3 * times[len(times) // 2] if times else float("nan")), batch
 
 
-def run_engine(options: dict[str, Any], prompts: list[list[int]], max_tokens: int, overlap: bool,
-               roofline: bool) -> dict[str, float]:  # fmt: skip
+def run_engine(
+    options: dict[str, Any],
+    prompts: list[list[int]],
+    max_tokens: int,
+    overlap: bool,
+    roofline: bool,
+) -> dict[str, float]:
     from async_engine.core.llm import LLM
-    from async_engine.core.stats import DeviceTimeline, PhaseClock
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     with LLM(**{**options, "overlap": overlap}) as llm:
         llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         engine = llm.engine
-        engine.timeline = DeviceTimeline(window=1_000_000)
-        engine.phase_clock = PhaseClock()
+        engine.timeline.reset(window=1_000_000)
+        engine.phase_clock.reset()
         engine.observer = recorder = PlanRecorder(engine.observer)
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
@@ -185,9 +190,14 @@ def cmd_offline(args: argparse.Namespace) -> int:
         for threads in thread_counts:
             runs = {**options, "device_threads": threads}
             r = compare_modes(runs, prompts, work.max_tokens, args.rounds)
-            r["matmul_only_ms"] = matmul_only_ms(str(folder), dtype, r["full_decode_batch"],
-                                                 threads, device=config.resolved_device(),
-                                                 load_format=config.load_format)  # fmt: skip
+            r["matmul_only_ms"] = matmul_only_ms(
+                str(folder),
+                dtype,
+                r["full_decode_batch"],
+                threads,
+                device=config.resolved_device(),
+                load_format=config.load_format,
+            )
             if args.structured:
                 r["structured_tokens_per_s"] = run_structured(runs, prompts, work.max_tokens)
             results[f"device_threads={threads}"] = r
@@ -195,8 +205,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
     if not (args.skip_hf or simulated):
         hf = run_hf(str(folder), dtype, prompts, work.max_tokens)
     peer = run_peer(args, prompts, work.max_tokens)
-    print_table(results, hf, roofline="device-bound ideal" if simulated else "roofline",
-                peer=peer)  # fmt: skip
+    print_table(results, hf, roofline="device-bound ideal" if simulated else "roofline", peer=peer)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"engine": results, "hf": hf, "llama_server": peer}, f, indent=2)
@@ -221,66 +230,6 @@ def run_peer(
         return None
 
 
-def print_table(
-    results: dict[str, Any],
-    hf: dict[str, float] | None,
-    roofline: str = "roofline",
-    peer: dict[str, Any] | None = None,
-) -> None:
-    cols = list(results)
-    width = max(24, *(len(c) + 2 for c in cols))
-    print(f"{'':<28}" + "".join(f"{c:>{width}}" for c in cols))
-
-    def row(name: str, fmt: str, values: list[float]) -> None:
-        print(f"{name:<28}" + "".join(f"{format(v, fmt):>{width}}" for v in values))
-
-    get = [results[c] for c in cols]
-    row("tokens/s, overlap on", ".1f", [r["on_tokens_per_s"] for r in get])
-    row("tokens/s, overlap off", ".1f", [r["off_tokens_per_s"] for r in get])
-    row(f"tokens/s, {roofline}", ".1f", [r["roofline_tokens_per_s"] for r in get])
-    row("overlap on / off", ".2f", [r["on_tokens_per_s"] / r["off_tokens_per_s"] for r in get])
-    row(
-        f"overlap on / {roofline}",
-        ".1%",
-        [r["on_tokens_per_s"] / r["roofline_tokens_per_s"] for r in get],
-    )
-    if hf is not None:
-        row("overlap on / HF", ".2f", [r["on_tokens_per_s"] / hf["tokens_per_s"] for r in get])
-    if peer is not None:
-        ratios = [r["on_tokens_per_s"] / peer["tokens_per_s"] for r in get]
-        row("overlap on / llama-server", ".2f", ratios)
-    row("steady-decode idle, on", ".2%", [r["on_steady_decode_idle"] for r in get])
-    row("steady-decode idle, off", ".2%", [r["off_steady_decode_idle"] for r in get])
-    row("device idle, on", ".2%", [r["on_idle"] for r in get])
-    row("device idle, off", ".2%", [r["off_idle"] for r in get])
-    row("ms per step, on", ".3f", [r["on_ms_per_step"] for r in get])
-    row("ms per step, off", ".3f", [r["off_ms_per_step"] for r in get])
-    row(
-        "overlap off costs ms/step",
-        ".3f",
-        [r["off_ms_per_step"] - r["on_ms_per_step"] for r in get],
-    )
-    for mode in ("on", "off"):
-        for phase in ("schedule", "launch", "wait", "apply", "stream"):
-            values = [r[f"{mode}_phase_ms"].get(phase, 0.0) for r in get]
-            row(f"  {phase} ms/step, {mode}", ".3f", values)
-    row("wasted tokens, on", "d", [r["on_wasted_tokens"] for r in get])
-    if all("structured_tokens_per_s" in r for r in get):
-        row("tokens/s, structured output", ".1f", [r["structured_tokens_per_s"] for r in get])
-        ratios = [r["structured_tokens_per_s"] / r["on_tokens_per_s"] for r in get]
-        row("structured / plain", ".2f", ratios)
-    if all("matmul_only_ms" in r for r in get):
-        row("full-batch decode, batch", "d", [r["full_decode_batch"] for r in get])
-        row("  device step ms", ".2f", [r["full_decode_ms"] for r in get])
-        row("  matmul-only ms", ".2f", [r["matmul_only_ms"] for r in get])
-        row("  step / matmul-only", ".2f", [r["full_decode_ms"] / r["matmul_only_ms"] for r in get])
-    if hf is not None:
-        print(f"HF transformers generate_batch: {hf['tokens_per_s']:.1f} tokens/s")
-    if peer is not None:
-        print(f"llama-server ({peer['threads']} threads, -np {peer['slots']} -cb): "
-              f"{peer['tokens_per_s']:.1f} tokens/s")  # fmt: skip
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--min-prompt", type=int, default=20)
@@ -289,8 +238,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--rounds", type=int, default=2, help="interleaved runs per mode")
     p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--structured", action="store_true",
-                   help="also run every request under a JSON schema (its cost)")  # fmt: skip
+    p.add_argument(
+        "--structured",
+        action="store_true",
+        help="also run every request under a JSON schema (its cost)",
+    )
     p.add_argument("--llama-server", default=None, help="llama-server binary: run it as a peer")
     p.add_argument("--gguf", default=None, help="GGUF of the same model for --llama-server")
     p.add_argument("--json", default=None, help="write the figures to this file")

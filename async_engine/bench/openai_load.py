@@ -34,9 +34,13 @@ class HttpTarget:
         reader, writer = await asyncio.open_connection(self.host, self.port)
         try:
             data = b"" if body is None else json.dumps(body).encode()
-            head = [f"{method} {path} HTTP/1.1", f"Host: {self.host}:{self.port}",
-                    "Connection: close", "Content-Type: application/json",
-                    f"Content-Length: {len(data)}"]  # fmt: skip
+            head = [
+                f"{method} {path} HTTP/1.1",
+                f"Host: {self.host}:{self.port}",
+                "Connection: close",
+                "Content-Type: application/json",
+                f"Content-Length: {len(data)}",
+            ]
             if self.token:
                 head.append(f"Authorization: Bearer {self.token}")
             writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + data)
@@ -82,9 +86,15 @@ class HttpTarget:
 
 def openai_sender(target: HttpTarget, model: str, on_tokens: Any) -> Any:
     async def send(spec: RequestSpec, rec: RequestRecord) -> None:
-        body = {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens,
-                "temperature": 0.0, "stream": True, "ignore_eos": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "model": model,
+            "prompt": spec.prompt,
+            "max_tokens": spec.max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
         usage = None
         stream = target.events("/v1/completions", body)
         try:

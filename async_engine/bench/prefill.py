@@ -56,8 +56,21 @@ def llama_bench_prefill(binary: str, gguf: str, lengths: list[int]) -> dict[int,
             print(f"llama-bench peer skipped: {label} {path}: no such file")
             return None
     threads = str(os.cpu_count() or 1)
-    cmd = [binary, "-m", gguf, "-p", ",".join(map(str, lengths)), "-n", "0", "-t", threads,
-           "-o", "json", "-r", "1"]  # fmt: skip
+    cmd = [
+        binary,
+        "-m",
+        gguf,
+        "-p",
+        ",".join(map(str, lengths)),
+        "-n",
+        "0",
+        "-t",
+        threads,
+        "-o",
+        "json",
+        "-r",
+        "1",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         print(f"llama-bench failed ({proc.returncode}): {proc.stderr[-500:]}")

@@ -24,25 +24,33 @@ from async_engine.bench.load import (
     Slo,
     make_requests,
     summarize,
-    within_slo,
 )
+from async_engine.bench.rate_sweep import sweep
 from async_engine.bench.report import print_table, write_plot
+from async_engine.bench.server_metrics import idle_delta, lag_delta, phase_delta, scrape
 from async_engine.bench.server_process import spawn_server
 from sampler.params import SamplingParams
 
 WARMUP = LoadSpec(num_requests=2, min_output=2, max_output=4)
 Sender = Callable[[RequestSpec, RequestRecord], Awaitable[None]]
-RunRate = Callable[[float], Awaitable[dict[str, Any]]]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--target", default=None, help="host:port of a running server (default: start one)"
     )
-    p.add_argument("--backend", choices=["grpc", "openai"], default="grpc",
-                   help="openai: drive any OpenAI-compatible server's /v1/completions")  # fmt: skip
-    p.add_argument("--vocab-size", type=int, default=49152,
-                   help="openai backend: vocabulary of the random prompts (default model's)")  # fmt: skip
+    p.add_argument(
+        "--backend",
+        choices=["grpc", "openai"],
+        default="grpc",
+        help="openai: drive any OpenAI-compatible server's /v1/completions",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=49152,
+        help="openai backend: vocabulary of the random prompts (default model's)",
+    )
     p.add_argument("--auth-token", default=None)
     p.add_argument("--rates", default="1,2,4", help="request rates in req/s, comma separated")
     p.add_argument("--burst", action="store_true", help="send every request at t=0")
@@ -74,8 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="fair,fcfs",
         help="with --tenants: scheduling policies to run, one server each",
     )
-    p.add_argument("--alone", default=None,
-                   help="with --tenants: tenants to also run alone (their baseline)")  # fmt: skip
+    p.add_argument(
+        "--alone", default=None, help="with --tenants: tenants to also run alone (their baseline)"
+    )
 
 
 # ------------------------------------------------------------------ drivers
@@ -154,38 +163,6 @@ def engine_sender(engine: Any, cancelled: list[tuple[Any, RequestRecord]]) -> Se
     return send
 
 
-async def sweep(
-    run_rate: RunRate, rates: list[float], args: argparse.Namespace, slo: Slo
-) -> dict[str, Any]:
-    results = {rate: await run_rate(rate) for rate in rates}
-    capacity = None
-    if args.find_capacity:
-        capacity = await find_capacity(run_rate, results, args.max_rate, args.search_steps, slo)
-    return {"runs": results, "capacity": capacity}
-
-
-async def find_capacity(
-    run_rate: RunRate, results: dict[float, Any], max_rate: float, steps: int, slo: Slo
-) -> dict[str, Any] | None:
-    """Double the rate until the SLO breaks, then bisect between the last good and first bad."""
-    good = bad = None
-    rate = min(results) if results else 1.0
-    while rate <= max_rate:
-        summary = results.get(rate) or await run_rate(rate)
-        results[rate] = summary
-        if not within_slo(summary, slo):
-            bad = rate
-            break
-        good, rate = rate, rate * 2
-    if good is None:
-        return None
-    for _ in range(steps if bad is not None else 0):
-        mid = (good + bad) / 2
-        results[mid] = summary = await run_rate(mid)
-        good, bad = (mid, bad) if within_slo(summary, slo) else (good, mid)
-    return {"rate": good, "at_limit": results[good], "first_failing_rate": bad}
-
-
 # ----------------------------------------------------------------- targets
 async def grpc_phase(
     args: argparse.Namespace, spec: LoadSpec, slo: Slo, target: str, metrics_port: int | None
@@ -198,14 +175,14 @@ async def grpc_phase(
         await run_load(send, make_requests(WARMUP, 1.0, vocab))
 
         async def run_rate(rate: float) -> dict[str, Any]:
-            before = _scrape(metrics_port)
+            before = scrape(metrics_port)
             records, duration = await run_load(send, make_requests(spec, rate, vocab))
             await asyncio.sleep(0.6)  # the server refreshes its metrics every 0.25 s
-            after = _scrape(metrics_port)
+            after = scrape(metrics_port)
             summary = summarize(records, duration, slo)
-            summary["abort_lag_s"] = _lag_delta(before, after)
-            summary["server_device_idle"] = _idle_delta(before, after)
-            summary["server_phase_ms_per_step"] = _phase_delta(before, after)
+            summary["abort_lag_s"] = lag_delta(before, after)
+            summary["server_device_idle"] = idle_delta(before, after)
+            summary["server_phase_ms_per_step"] = phase_delta(before, after)
             return summary
 
         return await sweep(run_rate, _rates(args), args, slo)
@@ -221,13 +198,13 @@ async def openai_phase(
     await run_load(send, make_requests(WARMUP, 1.0, args.vocab_size))
 
     async def run_rate(rate: float) -> dict[str, Any]:
-        before = _scrape(metrics_port)
+        before = scrape(metrics_port)
         records, duration = await run_load(send, make_requests(spec, rate, args.vocab_size))
         await asyncio.sleep(0.6 if metrics_port else 0.0)
-        after = _scrape(metrics_port)
+        after = scrape(metrics_port)
         summary = summarize(records, duration, slo)
-        summary["server_device_idle"] = _idle_delta(before, after)
-        summary["server_phase_ms_per_step"] = _phase_delta(before, after)
+        summary["server_device_idle"] = idle_delta(before, after)
+        summary["server_phase_ms_per_step"] = phase_delta(before, after)
         return summary
 
     return await sweep(run_rate, _rates(args), args, slo)
@@ -254,62 +231,6 @@ async def inprocess_phase(
         return await sweep(run_rate, _rates(args), args, slo)
     finally:
         await engine.aclose()
-
-
-def _scrape(port: int | None) -> dict[str, float] | None:
-    """The server's counters this bench differences: abort lag, device busy/idle time, steps
-    and control-plane time per phase."""
-    if port is None:
-        return None
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out = {"lag_sum": 0.0, "lag_count": 0.0, "busy": 0.0, "idle": 0.0, "steps": 0.0}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "async_engine:cancellation_lag_seconds_sum":
-                out["lag_sum"] += sample.value
-            elif sample.name == "async_engine:cancellation_lag_seconds_count":
-                out["lag_count"] += sample.value
-            elif sample.name == "async_engine:device_seconds_total":
-                out[sample.labels["state"]] += sample.value
-            elif sample.name == "async_engine:steps_total":
-                out["steps"] += sample.value
-            elif sample.name == "async_engine:step_phase_seconds_total":
-                key = "phase:" + sample.labels["phase"]
-                out[key] = out.get(key, 0.0) + sample.value
-    return out
-
-
-def _lag_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
-    if before is None or after is None or after["lag_count"] <= before["lag_count"]:
-        return {"mean": float("nan"), "count": 0}
-    count = after["lag_count"] - before["lag_count"]
-    return {"mean": (after["lag_sum"] - before["lag_sum"]) / count, "count": count}
-
-
-def _idle_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> float:
-    """The device's idle share over the run, measured by the server on the device's spans."""
-    if before is None or after is None:
-        return float("nan")
-    busy, idle = after["busy"] - before["busy"], after["idle"] - before["idle"]
-    return idle / (busy + idle) if busy + idle > 0 else float("nan")
-
-
-def _phase_delta(
-    before: dict[str, float] | None, after: dict[str, float] | None
-) -> dict[str, float]:
-    """Server control-plane ms per step by phase over the run ("wait": on the device)."""
-    if before is None or after is None or after["steps"] <= before["steps"]:
-        return {}
-    steps = after["steps"] - before["steps"]
-    return {
-        key[len("phase:") :]: 1e3 * (value - before.get(key, 0.0)) / steps
-        for key, value in after.items()
-        if key.startswith("phase:")
-    }
 
 
 def _rates(args: argparse.Namespace) -> list[float]:

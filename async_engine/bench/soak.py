@@ -30,8 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-output", type=int, default=128)
     p.add_argument("--warmup-fraction", type=float, default=0.1, help="RSS growth counts after")
     p.add_argument("--hostile", action="store_true", help="also run the hostile-client checks")
-    p.add_argument("--device-kills", type=int, default=0,
-                   help="SIGKILL the device this many times, evenly spread, timing health")  # fmt: skip
+    p.add_argument(
+        "--device-kills",
+        type=int,
+        default=0,
+        help="SIGKILL the device this many times, evenly spread, timing health",
+    )
     p.add_argument("--workload-seed", type=int, default=0)
     p.set_defaults(device="sim", sim_preset="h200-135m")
 
@@ -74,9 +78,13 @@ def scrape(port: int) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    wanted = {"async_engine:engine_requests", "async_engine:engine_streams",
-              "vllm:num_requests_running", "vllm:num_requests_waiting",
-              "async_engine:device_restarts_total"}  # fmt: skip
+    wanted = {
+        "async_engine:engine_requests",
+        "async_engine:engine_streams",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "async_engine:device_restarts_total",
+    }
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -105,8 +113,9 @@ class Soak:
         rng, args = self.rng, self.args
         max_tokens = rng.randrange(4, args.max_output)
         cancel_after = rng.randrange(1, max_tokens) if rng.random() < args.cancel_fraction else 0
-        stream = self.client.generate(self._prompt(), max_tokens=max_tokens, temperature=0.0,
-                                      ignore_eos=True)  # fmt: skip
+        stream = self.client.generate(
+            self._prompt(), max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+        )
         seen = 0
         try:
             async with contextlib.aclosing(stream):
@@ -145,8 +154,10 @@ async def _soak(args: argparse.Namespace, address: str, metrics_port: int, serve
             start = time.monotonic()
             while True:
                 device = device_pid(server.pid)  # a new one after each restart
-                rss = {"server": rss_mb(server.pid),
-                       "device": rss_mb(device) if device else float("nan")}  # fmt: skip
+                rss = {
+                    "server": rss_mb(server.pid),
+                    "device": rss_mb(device) if device else float("nan"),
+                }
                 samples.append((time.monotonic() - start, rss))
                 await asyncio.sleep(max(1.0, seconds / 60))
 
@@ -187,16 +198,26 @@ async def _soak(args: argparse.Namespace, address: str, metrics_port: int, serve
         {"what": "device restarts", "value": load.device_restarts},
     ]
     for i, (down, up) in enumerate(kills):
-        rows.append({"what": f"device kill {i + 1}: NOT_SERVING after / SERVING again after",
-                     "value": f"{1000 * down:.0f} ms / {up:.2f} s"})  # fmt: skip
+        rows.append(
+            {
+                "what": f"device kill {i + 1}: NOT_SERVING after / SERVING again after",
+                "value": f"{1000 * down:.0f} ms / {up:.2f} s",
+            }
+        )
     for name in ("server", "device"):
         first, last = warm[0][name], warm[-1][name]
         peak = max(s[name] for _, s in samples)
-        rows.append({"what": f"{name} RSS after warm-up -> end (peak), MB",
-                     "value": f"{first:.0f} -> {last:.0f} ({peak:.0f}), "
-                              f"{100 * (last - first) / first:+.1f} %"})  # fmt: skip
-    print(f"\nsoak: {elapsed / 60:.1f} min, {args.concurrency} concurrent, "
-          f"{100 * args.cancel_fraction:.0f} % cancelled")  # fmt: skip
+        rows.append(
+            {
+                "what": f"{name} RSS after warm-up -> end (peak), MB",
+                "value": f"{first:.0f} -> {last:.0f} ({peak:.0f}), "
+                f"{100 * (last - first) / first:+.1f} %",
+            }
+        )
+    print(
+        f"\nsoak: {elapsed / 60:.1f} min, {args.concurrency} concurrent, "
+        f"{100 * args.cancel_fraction:.0f} % cancelled"
+    )
     print_rows(rows)
     return 1 if any(row["value"] for row in rows[3:6]) else 0
 

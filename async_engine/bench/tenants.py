@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from async_engine.bench.load import RequestRecord, Slo, percentiles
+from async_engine.bench.tenant_tables import print_comparison, print_report
 
 SAMPLE_S = 0.25
 
@@ -67,8 +68,10 @@ def parse_tenants(spec: str) -> list[TenantLoad]:
                 else:
                     raise ValueError
             except ValueError:
-                raise ValueError(f"--tenants: bad item {item!r} for tenant {name!r} (keys: "
-                                 "burst, rate, duration, prompt, output, start)") from None  # fmt: skip
+                raise ValueError(
+                    f"--tenants: bad item {item!r} for tenant {name!r} (keys: "
+                    "burst, rate, duration, prompt, output, start)"
+                ) from None
             if not eq:
                 raise ValueError(f"--tenants: bad item {item!r}")
         if not load.burst and not (load.rate > 0 and load.duration > 0):
@@ -114,8 +117,9 @@ async def drive(client: Any, sent: list[Sent], weights: dict[str, float]) -> dic
         await asyncio.sleep(max(0.0, start + s.at_s - time.perf_counter()))
         rec = s.record
         rec.sent = time.perf_counter()
-        stream = client.generate(s.prompt, max_tokens=s.max_tokens, temperature=0.0,
-                                 ignore_eos=True, tenant=s.tenant)  # fmt: skip
+        stream = client.generate(
+            s.prompt, max_tokens=s.max_tokens, temperature=0.0, ignore_eos=True, tenant=s.tenant
+        )
         try:
             async with contextlib.aclosing(stream):
                 async for event in stream:
@@ -139,12 +143,20 @@ async def drive(client: Any, sent: list[Sent], weights: dict[str, float]) -> dic
     while not all(t.done() for t in tasks):
         await asyncio.sleep(SAMPLE_S)
         waiting = (await client.load()).tenants
-        samples.append({"t": time.perf_counter() - start,
-                        "service": {n: service(n) for n in tenants},
-                        "backlogged": [n for n in tenants if waiting.get(n, (0, 0))[0]]})  # fmt: skip
+        samples.append(
+            {
+                "t": time.perf_counter() - start,
+                "service": {n: service(n) for n in tenants},
+                "backlogged": [n for n in tenants if waiting.get(n, (0, 0))[0]],
+            }
+        )
     await asyncio.gather(*tasks)
-    return {"duration_s": time.perf_counter() - start, "start": start, "samples": samples,
-            "service": {n: service(n) for n in tenants}}  # fmt: skip
+    return {
+        "duration_s": time.perf_counter() - start,
+        "start": start,
+        "samples": samples,
+        "service": {n: service(n) for n in tenants},
+    }
 
 
 def report(
@@ -158,14 +170,15 @@ def report(
         done = [r for r in recs if r.end is not None and r.error is None]
         total += sum(r.tokens for r in recs)
         out["tenants"][name] = {
-            "requests": len(recs), "completed": len(done),
+            "requests": len(recs),
+            "completed": len(done),
             "errors": sum(r.error is not None for r in recs),
             "ttft_s": percentiles([t for r in done if (t := r.ttft()) is not None]),
             "itl_s": percentiles([g for r in done for g in r.itls()]),
             "goodput": sum(slo.met_by(r) for r in done) / run["duration_s"],
             "last_done_s": max((r.end for r in done), default=run["start"]) - run["start"],
             "service": run["service"][name],
-        }  # fmt: skip
+        }
     out["output_tokens_per_s"] = total / run["duration_s"]
     diffs, ratios = [], []
     for sample in run["samples"]:
@@ -173,9 +186,11 @@ def report(
         if len(busy) >= 2:
             values = [sample["service"][n] for n in busy]
             diffs.append(max(values) - min(values))
-    out["service_diff"] = {"max": max(diffs, default=0.0),
-                           "mean": sum(diffs) / len(diffs) if diffs else 0.0,
-                           "samples": len(diffs)}  # fmt: skip
+    out["service_diff"] = {
+        "max": max(diffs, default=0.0),
+        "mean": sum(diffs) / len(diffs) if diffs else 0.0,
+        "samples": len(diffs),
+    }
     # Raw service (not divided by weight) received while both of the first two tenants
     # were backlogged: VTC makes its ratio the weights' ratio.
     if len(tenants) >= 2:
@@ -188,26 +203,6 @@ def report(
             ratios.append(got_a / got_b if got_b else float("inf"))
     out["weighted_service_ratio"] = ratios[0] if ratios else None
     return out
-
-
-def print_report(policy: str, out: dict[str, Any], weights: dict[str, float]) -> None:
-    ms = 1000
-    print(f"\n== policy {policy}: {out['output_tokens_per_s']:.0f} output tok/s, "
-          f"{out['duration_s']:.1f} s")  # fmt: skip
-    print(f"{'tenant':>8} {'done':>9} | {'TTFT p50/p95/p99 ms':>22} | {'ITL p50/p95/p99 ms':>20} "
-          f"| {'goodput':>7} | {'weighted service':>16} | {'last done s':>11}")  # fmt: skip
-    for name, t in out["tenants"].items():
-        f, i = t["ttft_s"], t["itl_s"]
-        print(f"{name:>8} {t['completed']:>4}/{t['requests']:<4} | "
-              f"{f['p50'] * ms:>6.0f}/{f['p95'] * ms:>6.0f}/{f['p99'] * ms:>6.0f}   | "
-              f"{i['p50'] * ms:>5.0f}/{i['p95'] * ms:>5.0f}/{i['p99'] * ms:>5.0f}   | "
-              f"{t['goodput']:>7.2f} | {t['service']:>16.0f} | {t['last_done_s']:>11.1f}")  # fmt: skip
-    d = out["service_diff"]
-    print(f"service difference among backlogged tenants: max {d['max']:.0f}, mean {d['mean']:.0f} "
-          f"({d['samples']} samples)")  # fmt: skip
-    if out["weighted_service_ratio"] is not None:
-        print(f"raw service ratio of the first two tenants while both backlogged: "
-              f"{out['weighted_service_ratio']:.2f} (weights {weights or 'equal'})")  # fmt: skip
 
 
 def vtc_bound(loads: list[TenantLoad], weights: dict[str, float], max_num_seqs: int) -> float:
@@ -258,9 +253,11 @@ def cmd_tenants(args: argparse.Namespace) -> int:
             proc.wait(timeout=60)
         results[label] = out
         print_report(label, out, weights)
-    print(f"\nVTC bound for these loads (max_num_seqs {args.max_num_seqs}): "
-          f"{vtc_bound(loads, weights, args.max_num_seqs):.0f}")  # fmt: skip
-    _compare(results, policies, args)
+    print(
+        f"\nVTC bound for these loads (max_num_seqs {args.max_num_seqs}): "
+        f"{vtc_bound(loads, weights, args.max_num_seqs):.0f}"
+    )
+    print_comparison(results, policies, args)
     return 0
 
 
@@ -268,18 +265,3 @@ def _weights(spec: str | None) -> dict[str, float]:
     from async_engine.core.config import EngineConfig
 
     return EngineConfig(tenant_weights=spec).resolved_tenant_weights()
-
-
-def _compare(results: dict[str, Any], policies: list[str], args: argparse.Namespace) -> None:
-    """The noisy-neighbour figures: each policy's p95 TTFT of an --alone tenant over its
-    p95 TTFT alone, and each policy's throughput over the first policy's."""
-    base = results[policies[0]]["output_tokens_per_s"]
-    for policy in policies[1:]:
-        ratio = results[policy]["output_tokens_per_s"] / base
-        print(f"throughput {policy} / {policies[0]}: {ratio:.3f}")
-    for name in filter(None, (args.alone or "").split(",")):
-        alone = results[f"{policies[0]} ({name} alone)"]["tenants"][name]["ttft_s"]["p95"]
-        for policy in policies:
-            shared = results[policy]["tenants"][name]["ttft_s"]["p95"]
-            print(f"{name} p95 TTFT with {policy}: {1000 * shared:.0f} ms = "
-                  f"{shared / alone:.2f}x alone ({1000 * alone:.0f} ms)")  # fmt: skip

@@ -9,15 +9,27 @@ from async_engine.cli.options import add_engine_args
 
 # name -> (help, the module's argument adder, its command)
 BENCHES = {
-    "offline": ("throughput vs HF, overlap on/off, roofline",
-                offline.add_arguments, offline.cmd_offline),
-    "serve": ("online load over gRPC: latency percentiles, goodput, capacity",
-              serve.add_arguments, serve.cmd_serve_bench),
-    "prefill": ("one long prompt's prefill speed (vs llama-bench)",
-                prefill.add_arguments, prefill.cmd_prefill),
-    "soak": ("long mixed load with cancels: leaks, ghost requests, RSS growth, errors",
-             soak.add_arguments, soak.cmd_soak),
-}  # fmt: skip
+    "offline": (
+        "throughput vs HF, overlap on/off, roofline",
+        offline.add_arguments,
+        offline.cmd_offline,
+    ),
+    "serve": (
+        "online load over gRPC: latency percentiles, goodput, capacity",
+        serve.add_arguments,
+        serve.cmd_serve_bench,
+    ),
+    "prefill": (
+        "one long prompt's prefill speed (vs llama-bench)",
+        prefill.add_arguments,
+        prefill.cmd_prefill,
+    ),
+    "soak": (
+        "long mixed load with cancels: leaks, ghost requests, RSS growth, errors",
+        soak.add_arguments,
+        soak.cmd_soak,
+    ),
+}
 
 
 def add_parser(sub: Any) -> None:

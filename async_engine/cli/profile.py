@@ -157,16 +157,36 @@ def run_under_nsys(args: argparse.Namespace) -> int:
             "warning: --device cpu runs no CUDA kernels; nsys will show NVTX only", file=sys.stderr
         )
     report = out / "nsys-profile"
-    command = [nsys, "profile", "-t", "cuda,nvtx", "--capture-range=cudaProfilerApi",
-               "--capture-range-end=stop", "--force-overwrite=true", "-o", str(report),
-               sys.executable, "-m", "async_engine.cli.main", *child_argv(args)]  # fmt: skip
+    command = [
+        nsys,
+        "profile",
+        "-t",
+        "cuda,nvtx",
+        "--capture-range=cudaProfilerApi",
+        "--capture-range-end=stop",
+        "--force-overwrite=true",
+        "-o",
+        str(report),
+        sys.executable,
+        "-m",
+        "async_engine.cli.main",
+        *child_argv(args),
+    ]
     print("running: " + " ".join(command), file=sys.stderr)
     code = subprocess.call(command)
     if code != 0:
         return code
     sqlite = report.with_suffix(".sqlite")
-    export = [nsys, "export", "--type", "sqlite", "--force-overwrite=true", "-o", str(sqlite),
-              str(report.with_suffix(".nsys-rep"))]  # fmt: skip
+    export = [
+        nsys,
+        "export",
+        "--type",
+        "sqlite",
+        "--force-overwrite=true",
+        "-o",
+        str(sqlite),
+        str(report.with_suffix(".nsys-rep")),
+    ]
     if subprocess.call(export) != 0:
         return 1
     return cmd_import_nsys(argparse.Namespace(file=str(sqlite), out=None))

@@ -81,8 +81,12 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
 
     group = parser.add_argument_group("input limits")
     for f in dataclasses.fields(Limits):
-        group.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default,
-                           help=f"(default: {f.default})")  # fmt: skip
+        group.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=int,
+            default=f.default,
+            help=f"(default: {f.default})",
+        )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

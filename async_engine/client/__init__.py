@@ -1,6 +1,7 @@
 """Python clients of the gRPC service: ``AsyncClient`` and ``Client``, with typed events and errors."""
 
-from async_engine.client.grpc_client import AsyncClient, Client, build_request
+from async_engine.client.grpc_client import AsyncClient, Client
+from async_engine.client.messages import build_request
 from async_engine.client.types import (
     Accepted,
     AlreadyExists,

@@ -74,8 +74,16 @@ class Load:
     @classmethod
     def from_pb(cls, m: Any) -> Load:
         tenants = {t.tenant: (t.waiting, t.running) for t in m.tenants}
-        return cls(m.running, m.waiting, m.kv_usage, m.free_blocks, m.total_blocks,
-                   m.device_state, m.device_restarts, tenants)  # fmt: skip
+        return cls(
+            m.running,
+            m.waiting,
+            m.kv_usage,
+            m.free_blocks,
+            m.total_blocks,
+            m.device_state,
+            m.device_restarts,
+            tenants,
+        )
 
 
 class EngineError(Exception):

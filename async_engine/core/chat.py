@@ -45,8 +45,10 @@ def render_for_template(
     rendered: list[dict[str, Any]] = []
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
-            blocks = [hermes_call(c["function"]["name"], c["function"]["arguments"])
-                      for c in m["tool_calls"]]  # fmt: skip
+            blocks = [
+                hermes_call(c["function"]["name"], c["function"]["arguments"])
+                for c in m["tool_calls"]
+            ]
             text = "\n".join([m["content"], *blocks] if m["content"] else blocks)
             rendered.append({"role": "assistant", "content": text})
         elif m["role"] == "tool":
@@ -96,8 +98,7 @@ def _normalize(i: int, message: Any) -> dict[str, Any]:
     if role not in ROLES:
         shown = message["role"]  # quoted short: a huge role must not fill the error
         shown = repr(shown[:32]) + ("..." if len(shown) > 32 else "")
-        raise ValueError(f"{where}.role is unknown: {shown} (one of {', '.join(ROLES)}, "
-                         "developer)")  # fmt: skip
+        raise ValueError(f"{where}.role is unknown: {shown} (one of {', '.join(ROLES)}, developer)")
     out: dict[str, Any] = {"role": role}
     calls = message.get("tool_calls")
     if calls is not None and role != "assistant":
@@ -109,8 +110,10 @@ def _normalize(i: int, message: Any) -> dict[str, Any]:
     content = message.get("content")
     if content is None:
         if role != "assistant" or not out.get("tool_calls"):
-            raise ValueError(f"{where}.content is required (it may be null only on an "
-                             "assistant message with tool_calls)")  # fmt: skip
+            raise ValueError(
+                f"{where}.content is required (it may be null only on an "
+                "assistant message with tool_calls)"
+            )
         content = ""
     out["content"] = _text(f"{where}.content", content)
     for name in ("name", "tool_call_id"):
@@ -134,8 +137,9 @@ def _text(where: str, content: Any) -> str:
         if kind in ("text", "refusal") and isinstance(part.get(kind), str):
             texts.append(part[kind])
         elif isinstance(kind, str) and kind not in ("text", "refusal"):
-            raise ValueError(f"{where}[{k}]: {kind[:32]!r} parts are not supported "
-                             "(this model reads text only)")  # fmt: skip
+            raise ValueError(
+                f"{where}[{k}]: {kind[:32]!r} parts are not supported (this model reads text only)"
+            )
         else:
             raise ValueError(f"{where}[{k}] must be {{'type': 'text', 'text': str}}")
     return "\n".join(texts)
@@ -144,8 +148,9 @@ def _text(where: str, content: Any) -> str:
 def _tool_call(where: str, call: Any) -> dict[str, Any]:
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-        raise ValueError(f"{where} must be {{'type': 'function', 'function': {{'name', "
-                         "'arguments'}}}}")  # fmt: skip
+        raise ValueError(
+            f"{where} must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}"
+        )
     arguments = fn.get("arguments", {})
     if isinstance(arguments, str):
         # Templates take arguments as objects; a string that is not JSON is shown as is.

@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from async_engine.core.queues import POLICIES
+from async_engine.core.policy import POLICIES, Policy, default_overflow_seqs, make_policy
+from async_engine.core.step_clock import PLANNINGS
 from streams.sim import PRESETS as SIM_PRESETS
 
 
@@ -49,21 +50,31 @@ class EngineConfig:
     device: str = _opt("auto", "where steps run (sim: a modelled device, no weights)", DEVICES)
     load_format: str = _opt("auto", "dummy: random weights from config.json alone", LOAD_FORMATS)
     overlap: bool = _opt(
-        True, "plan step N+1 while step N runs, or, where the control plane is a sliver of a "
-        "step (a CPU), once N ends (waiting at most 1.25x its expected time); "
-        "stats().planning_mode says which; off: plan after each step, always",
-    )  # fmt: skip
+        True,
+        "plan step N+1 while step N runs (see --planning); off: plan after each step, always",
+    )
+    planning: str = _opt(
+        "auto",
+        "with overlap, when step N+1 is planned: overlap (while step N runs), after-step (once "
+        "N ends, waiting at most 1.25x its expected time: a request arriving meanwhile rides "
+        "N+1), auto (after-step where the control plane's work is under 2 percent of a step, as on "
+        "a CPU); stats().planning_mode says which ran last",
+        PLANNINGS,
+    )
     device_runner: str = _opt(
-        "auto", "pipelined: streams, events, tokens kept on the device (auto: on CUDA)",
+        "auto",
+        "pipelined: streams, events, tokens kept on the device (auto: on CUDA)",
         DEVICE_RUNNERS,
-    )  # fmt: skip
+    )
     cuda_graphs: bool = _opt(True, "decode steps replay CUDA graphs in padded batch buckets")
     gpu_memory_utilization: float = _opt(
         0.9, "share of the GPU's memory the device may use (weights, activations, KV pool)"
     )
     block_size: int = _opt(16, "tokens per KV block")
     num_kv_blocks: int | None = _opt(None, "KV pool size (default: from max seqs and length)")
-    max_num_seqs: int = _opt(64, "requests running at once")
+    max_num_seqs: int = _opt(
+        64, "requests running at once: a hard limit, but for --fair-overflow-seqs under fair"
+    )
     max_num_batched_tokens: int = _opt(512, "per-step token budget (chunked prefill)")
     max_model_len: int | None = _opt(None, "context limit (default: the model's)")
     max_waiting: int = _opt(4096, "queue limit; past it, submissions are refused")
@@ -72,6 +83,11 @@ class EngineConfig:
     )
     tenant_weights: str | None = _opt(None, "fair shares, e.g. 'a=2,b=1' (others: the default)")
     default_tenant_weight: float = _opt(1.0, "weight of a tenant tenant_weights does not name")
+    fair_overflow_seqs: int | None = _opt(
+        None,
+        "extra running slots the fair policy may give a tenant that is behind when the batch "
+        "is full; default a quarter of --max-num-seqs; 0 keeps --max-num-seqs a hard limit",
+    )
     enable_prefix_cache: bool = _opt(True, "share KV blocks of identical prompt prefixes")
     device_threads: int | None = _opt(None, "CPU device threads (default: every core)")
     max_unread_bytes_per_stream: int = _opt(
@@ -102,15 +118,30 @@ class EngineConfig:
             ("load_format", LOAD_FORMATS),
             ("device_runner", DEVICE_RUNNERS),
             ("scheduling_policy", POLICIES),
+            ("planning", PLANNINGS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be {'|'.join(allowed)}, got {getattr(self, name)!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
-                     "max_unread_bytes_per_stream", "max_unread_bytes"):  # fmt: skip
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_waiting",
+            "max_unread_bytes_per_stream",
+            "max_unread_bytes",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.resolved_tenant_weights()  # raises on a bad spec
+        overflow = self.fair_overflow_seqs
+        if overflow is not None and (
+            isinstance(overflow, bool) or not isinstance(overflow, int) or overflow < 0
+        ):
+            raise ValueError(
+                "fair_overflow_seqs must be an integer >= 0 (0: max_num_seqs is a hard limit; "
+                f"unset: a quarter of max_num_seqs), got {overflow!r}"
+            )
         weight = self.default_tenant_weight
         if not isinstance(weight, int | float) or not 0 < weight < 1e6:
             raise ValueError(f"default_tenant_weight must be a number > 0, got {weight!r}")
@@ -155,6 +186,25 @@ class EngineConfig:
                 )
             weights[name] = weight
         return weights
+
+    def resolved_fair_overflow_seqs(self) -> int:
+        """Running slots past max_num_seqs the scheduling policy may use: 0 unless fair."""
+        if self.scheduling_policy != "fair":
+            return 0
+        if self.fair_overflow_seqs is None:
+            return default_overflow_seqs(self.max_num_seqs)
+        return self.fair_overflow_seqs
+
+    def build_policy(self) -> Policy:
+        """The scheduling policy these settings name (``core/policy``)."""
+        return make_policy(
+            self.scheduling_policy,
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+            self.resolved_tenant_weights(),
+            self.default_tenant_weight,
+            self.resolved_fair_overflow_seqs(),
+        )
 
     def resolved_device(self) -> str:
         return default_device() if self.device == "auto" else self.device

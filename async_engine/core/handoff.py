@@ -69,8 +69,9 @@ class DeviceLink:
             if not self.device.alive():
                 self._lose(DeviceError("the device process died"))
             elif (age := self.device.heartbeat_age()) > self.heartbeat_timeout_s:
-                self._lose(DeviceError(f"the device stopped responding (no heartbeat for "
-                                       f"{age:.1f} s)"))  # fmt: skip
+                self._lose(
+                    DeviceError(f"the device stopped responding (no heartbeat for {age:.1f} s)")
+                )
         if self.lost is not None:
             raise self.lost
 

@@ -73,6 +73,7 @@ class InputBuilder:
             rid,
             ids,
             params,
+            max_model_len=self.limits.max_model_len,
             eos_ids=self.limits.eos_ids,
             priority=priority,
             tenant=tenant,
@@ -89,8 +90,10 @@ class InputBuilder:
         _check_unicode(text, "prompt")
         fits = self.limits.max_model_len * self._need_tokenizer("prompt").max_token_chars
         if len(text) > fits and not truncate:
-            raise ValueError(f"prompt: {len(text)} characters cannot fit the context of "
-                             f"{self.limits.max_model_len} tokens (refused before tokenizing)")  # fmt: skip
+            raise ValueError(
+                f"prompt: {len(text)} characters cannot fit the context of "
+                f"{self.limits.max_model_len} tokens (refused before tokenizing)"
+            )
 
     def check_chat_fits(self, messages: Any) -> None:
         """Refuse, before templating, a conversation whose text alone cannot fit the context
@@ -100,9 +103,11 @@ class InputBuilder:
         chars = sum(_text_chars(m.get("content")) for m in messages if isinstance(m, dict))
         fits = self.limits.max_model_len * self._need_tokenizer("messages").max_token_chars
         if chars > fits:
-            raise ValueError(f"messages: {chars} characters of content cannot fit the context "
-                             f"of {self.limits.max_model_len} tokens (refused before "
-                             "templating)")  # fmt: skip
+            raise ValueError(
+                f"messages: {chars} characters of content cannot fit the context "
+                f"of {self.limits.max_model_len} tokens (refused before "
+                "templating)"
+            )
         for i, m in enumerate(messages):
             if isinstance(m, dict) and isinstance(m.get("content"), str):
                 _check_unicode(m["content"], f"messages[{i}].content")
@@ -173,8 +178,11 @@ def _text_chars(content: Any) -> int:
     if isinstance(content, str):
         return len(content)
     if isinstance(content, list):  # content parts: only text counts toward the bound
-        return sum(len(p["text"]) for p in content if isinstance(p, dict)
-                   and isinstance(p.get("text"), str))  # fmt: skip
+        return sum(
+            len(p["text"])
+            for p in content
+            if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
     return 0
 
 

@@ -37,9 +37,13 @@ class KVCacheManager:
         if not req.output_ids and req.num_preemptions == 0:
             req.num_cached_tokens = req.num_computed_tokens
 
-    def register_full_blocks(self, req: Request) -> None:
+    def register_full_blocks(self, req: Request, known: int | None = None) -> None:
+        """Offer the request's blocks filled so far to the prefix cache. ``known``: tokens
+        both computed and known (by default from the request's counters)."""
         bs = self.block_size
-        full = min(req.num_computed_tokens, req.num_tokens) // bs
+        if known is None:
+            known = min(req.num_computed_tokens, req.num_tokens)
+        full = known // bs
         if len(req.block_hashes) >= full:
             return
         parent = req.block_hashes[-1] if req.block_hashes else None

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import uuid
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ from typing import Any
 
 from async_engine.core.config import EngineConfig
 from async_engine.core.engine import AsyncEngine
-from async_engine.core.fanout import child_ids, child_params, parent_id
+from async_engine.core.group import RequestGroup, RequestOptions, submit
 from async_engine.core.output import RequestDelta
 from async_engine.core.request import Request
 from async_engine.core.stats import EngineStats
@@ -184,57 +183,49 @@ class LLM:
         options: dict[str, Any],
         return_errors: bool,
     ) -> list[Any]:
-        engine = self.engine
         # Validate every prompt before queueing any, so a bad one fails the call cleanly.
-        groups: list[list[Request] | ValueError] = []
+        groups: list[RequestGroup | ValueError] = []
         try:
             for item, params in zip(items, params_list, strict=True):
                 try:
-                    groups.append(self._add_samples(item, params, options))
+                    groups.append(self._submit(item, params, options))
                 except ValueError as exc:
                     if not return_errors:
                         raise
                     groups.append(exc)
         except BaseException:
             for group in groups:
-                for req in group if isinstance(group, list) else []:
-                    engine.release(req)
+                if isinstance(group, RequestGroup):
+                    group.release()
             raise
         return list(await asyncio.gather(*(self._gather(g) for g in groups)))
 
-    def _add_samples(
+    def _submit(
         self, item: dict[str, Any], params: SamplingParams | None, options: dict[str, Any]
-    ) -> list[Request]:
-        """One request per sample: n > 1 fans out into children (see core.fanout)."""
-        n = 1 if params is None else params.n
+    ) -> RequestGroup:
+        """The n samples of one item ({"prompt": ...} or {"messages": ...}) on the engine."""
+        options = {**options, **{k: v for k, v in item.items() if k != "prompt"}}
+        request_id = options.pop("request_id", None)
         # Whole results only: wake once per request, and detokenize once at the end unless
         # stop strings must be matched as the text grows.
-        options = {"stream": False, "detokenize": bool(params and params.stop), **options}
-        if n == 1:
-            return [self.engine.add_request(params=params, **item, **options)]
-        base = options.get("request_id") or uuid.uuid4().hex
-        rest = {k: v for k, v in options.items() if k != "request_id"}
-        children: list[Request] = []
-        try:
-            for i, child_id in enumerate(child_ids(base, n)):
-                children.append(
-                    self.engine.add_request(
-                        params=child_params(params, n, i), request_id=child_id, **item, **rest
-                    )
-                )
-        except BaseException:
-            for req in children:
-                self.engine.release(req)
-            raise
-        return children
+        defaults = {"stream": False, "detokenize": bool(params and params.stop)}
+        settings = RequestOptions(**{**defaults, **options})
+        return submit(self.engine, item.get("prompt"), params, request_id, settings)
 
-    async def _gather(self, group: list[Request] | ValueError) -> RequestOutput | ValueError:
+    async def _gather(self, group: RequestGroup | ValueError) -> RequestOutput | ValueError:
         if isinstance(group, ValueError):
             return group
-        samples = await asyncio.gather(*(self._drain(req) for req in group))
+        wholes = [RequestDelta(req.request_id, 0, [], "") for req in group.children]
+        try:
+            async for index, delta in group.deltas():
+                wholes[index].merge(delta)
+        finally:
+            group.release()
+        samples = [
+            self._output(req, whole) for req, whole in zip(group.children, wholes, strict=True)
+        ]
         first = samples[0]
-        if len(group) > 1:
-            first.request_id = parent_id(first.request_id)
+        first.request_id = group.request_id
         first.outputs = [
             CompletionOutput(
                 i, s.token_ids, s.text, s.finish_reason, s.stop_reason, s.logprobs, s.top_logprobs
@@ -243,21 +234,15 @@ class LLM:
         ]
         return first
 
-    async def _drain(self, req: Request) -> RequestOutput:
-        engine = self.engine
-        whole = RequestDelta(req.request_id, 0, [], "")
-        try:
-            async for delta in engine.stream(req):
-                whole.merge(delta)
-        finally:
-            engine.release(req)
+    def _output(self, req: Request, whole: RequestDelta) -> RequestOutput:
+        """One sample's result, from all its output merged."""
         out = RequestOutput(req.request_id, req.prompt_ids, whole.token_ids, whole.text, "abort")
         out.logprobs, out.top_logprobs = whole.logprobs, whole.top_logprobs
         if whole.finished and whole.finish_reason is not None:
             out.finish_reason = whole.finish_reason.simple
             out.stop_reason = whole.stop_reason
             out.metrics = whole.timings
-        tokenizer = engine.tokenizer
+        tokenizer = self.engine.tokenizer
         if not req.params.stop and tokenizer is not None:
             out.text = decode_continuation(
                 tokenizer, req.prompt_ids, out.token_ids, req.params.skip_special_tokens

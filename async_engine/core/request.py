@@ -57,14 +57,44 @@ class Request:
     """
 
     __slots__ = (
-        "request_id", "prompt_ids", "output_ids", "output_logprobs", "output_top_logprobs",
-        "params", "eos_ids", "stop_ids", "priority", "tenant", "arrival_seq", "status",
-        "num_tokens", "token_limit", "num_computed_tokens", "num_inflight", "num_cached_tokens", "block_ids",
-        "block_hashes", "row", "num_sent_blocks", "table_reset", "last_launched_step",
-        "num_preemptions", "num_device_losses", "tenant_state", "finish_reason", "stop_reason", "arrival_time", "scheduled_time",
-        "first_token_time", "finished_time", "token_times", "abort_time", "released_time",
-        "queue_deadline", "time_deadline",
-    )  # fmt: skip
+        "request_id",
+        "prompt_ids",
+        "output_ids",
+        "output_logprobs",
+        "output_top_logprobs",
+        "params",
+        "eos_ids",
+        "stop_ids",
+        "ordered_stop_ids",
+        "priority",
+        "tenant",
+        "arrival_seq",
+        "status",
+        "num_tokens",
+        "token_limit",
+        "num_computed_tokens",
+        "num_inflight",
+        "num_cached_tokens",
+        "block_ids",
+        "block_hashes",
+        "row",
+        "num_sent_blocks",
+        "table_reset",
+        "last_launched_step",
+        "num_preemptions",
+        "num_device_losses",
+        "finish_reason",
+        "stop_reason",
+        "arrival_time",
+        "scheduled_time",
+        "first_token_time",
+        "finished_time",
+        "token_times",
+        "abort_time",
+        "released_time",
+        "queue_deadline",
+        "time_deadline",
+    )
 
     def __init__(
         self,
@@ -72,6 +102,7 @@ class Request:
         prompt_ids: list[int],
         params: Any,
         *,
+        max_model_len: int,
         eos_ids: tuple[int, ...] = (),
         priority: int = 0,
         tenant: str = "",
@@ -85,19 +116,23 @@ class Request:
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
         self.params = params
         self.eos_ids = eos_ids
-        # Token ids that end the request once min_tokens are out: stop ids, plus EOS.
-        stop = set(getattr(params, "stop_token_ids", ()))
-        self.stop_ids = frozenset(
-            stop if getattr(params, "ignore_eos", False) else stop | set(eos_ids)
-        )
+        # Token ids that end the request once min_tokens are out: stop ids, plus EOS. In
+        # that order for the device's row (it bans them until min_tokens); as a set here.
+        ordered = list(getattr(params, "stop_token_ids", ()))
+        if not getattr(params, "ignore_eos", False):
+            ordered += [t for t in eos_ids if t not in ordered]
+        self.ordered_stop_ids = tuple(ordered)
+        self.stop_ids = frozenset(ordered)
         self.priority = priority
         self.tenant = tenant
-        self.tenant_state: Any = None  # the fair queue's entry for its tenant, while it has one
         self.arrival_seq = arrival_seq
         self.status = RequestStatus.WAITING
         self.num_tokens = len(prompt_ids)
         # Where the request ends for length: prompt + max_tokens, capped by the context.
-        self.token_limit = len(prompt_ids) + (getattr(params, "max_tokens", None) or 1 << 62)
+        max_tokens = getattr(params, "max_tokens", None)
+        self.token_limit = max_model_len
+        if max_tokens is not None:
+            self.token_limit = min(max_model_len, len(prompt_ids) + max_tokens)
         self.num_computed_tokens = 0
         self.num_inflight = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission

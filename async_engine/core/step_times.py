@@ -28,6 +28,10 @@ class StepTimes:
         point[0] += self.ALPHA * (tokens - point[0])
         point[1] += self.ALPHA * (seconds - point[1])
 
+    def sizes(self) -> list[float]:
+        """The mean token counts of the size classes seen, smallest first."""
+        return [point[0] for point in self._points]
+
     def predict(self, tokens: int) -> float | None:
         """Expected seconds of a step of ``tokens``; None before any step was seen."""
         points = self._points

@@ -4,7 +4,8 @@ Importing this package pulls in torch but never transformers or asyncio: transfo
 imported lazily by the functions that convert GGUF files.
 """
 
-from .attention import AttentionPlan, paged_attention
+from .attention import paged_attention
+from .attention_plan import AttentionPlan
 from .config import ModelConfig, RopeScaling
 from .gguf_cache import default_cache_dir
 from .llama import KVCache, LlamaModel, rope_inv_freq

@@ -18,7 +18,8 @@ from torch import nn
 from streams.batch import ForwardBatch
 
 from . import cpu_kernels, gpu_kernels
-from .attention import AttentionPlan, TritonAttention, paged_attention
+from .attention import paged_attention
+from .attention_plan import AttentionPlan, TritonAttention
 from .config import ModelConfig
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]

@@ -2,7 +2,8 @@
 
 ``GenerationServer`` runs on the caller's event loop (the CLI's uvloop);
 ``BackgroundServer`` runs one on a private uvloop thread, for tests and benchmarks that
-need a live server next to their own event loop.
+need a live server next to their own event loop. Their ``ServerOptions`` live in
+server.options.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -24,52 +25,19 @@ from prometheus_client import start_http_server
 from async_engine.core.engine import AsyncEngine
 from async_engine.core.supervisor import DeviceState
 from async_engine.server.auth import BearerTokenInterceptor, Principals
-from async_engine.server.codec import Limits
 from async_engine.server.handlers import add_generation_service
 from async_engine.server.logs import ensure_logging
 from async_engine.server.metrics import ServerMetrics
+from async_engine.server.options import ServerOptions
 from async_engine.server.service import GenerationService
 from async_engine.server.stalls import StalledStreams
 from async_engine.server.start import ServerStartError
+from async_engine.server.state import ServingState
 from async_engine.v1 import generation_pb2 as pb
 from sampler.params import SamplingParams
 
 log = structlog.get_logger("async_engine.server.service")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-
-
-@dataclass(slots=True)
-class ServerOptions:
-    host: str = "127.0.0.1"  # loopback unless the operator opens it up
-    port: int = 50051  # 0: any free port (see GenerationServer.port)
-    metrics_port: int | None = 9400  # None: no /metrics endpoint; 0: any free port
-    drain_timeout_s: float = 30.0
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    auth_token: str | None = None  # one unrestricted principal
-    auth_token_file: str | None = None  # tokens -> principals (see server.auth)
-    max_message_bytes: int = 4 << 20  # gRPC rejects larger requests with RESOURCE_EXHAUSTED
-    limits: Limits = field(default_factory=Limits)
-    metrics_interval_s: float = 0.25
-    stream_idle_timeout_s: float = 60.0  # a stream whose write stalls this long is cancelled
-    warmup: bool = True
-    http_port: int | None = None  # the OpenAI-compatible HTTP API; None: off, 0: any free port
-    http_host: str | None = None  # default: ``host``
-    http_header_timeout_s: float = 10.0  # a request's headers must be whole in this time
-    http_body_timeout_s: float = 30.0  # and its body, once the headers are in
-
-    def __post_init__(self) -> None:
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("tls_cert and tls_key must be given together")
-        if self.auth_token is not None and self.auth_token_file is not None:
-            raise ValueError(
-                "auth_token and auth_token_file are exclusive: put the token in the file"
-            )
-        if self.drain_timeout_s < 0:
-            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
-        for name in ("http_header_timeout_s", "http_body_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 class GenerationServer:
@@ -79,35 +47,92 @@ class GenerationServer:
         ensure_logging()
         self.engine = engine
         self.options = opts = options or ServerOptions()
-        self.metrics = ServerMetrics(str(engine.config.model), engine.config.block_size)
-        self.stalls = StalledStreams(opts.stream_idle_timeout_s)
-        self.principals: Principals | None = None
-        if opts.auth_token_file is not None:
-            self.principals = Principals.load(opts.auth_token_file)
-        elif opts.auth_token:
-            self.principals = Principals.single(opts.auth_token)
-        if self.principals is not None:
-            for tenant in self.principals.tenants():  # a token file's tenants are known
-                self.metrics.tenants.admit(tenant)
-        self.service = GenerationService(engine, self.metrics, opts.limits, self.stalls,
-                                         self.principals)  # fmt: skip
+        metrics = ServerMetrics(str(engine.config.model), engine.config.block_size)
+        principals = _principals(opts)
+        for tenant in principals.tenants() if principals is not None else ():
+            metrics.tenants.admit(tenant)  # a token file's tenants are known
+        stalls = StalledStreams(opts.stream_idle_timeout_s)
+        self.state = ServingState(engine, metrics, stalls, opts.limits, principals)
+        self.service = GenerationService(self.state)
         self.health = health_aio.HealthServicer()
         self.port = 0
         self.metrics_port: int | None = None
-        self._server: grpc.aio.Server | None = None
-        self._httpd: Any = None
-        self.http: Any = None  # the OpenAI HTTP server, when http_port is set
         self.http_port: int | None = None
-        self._refresher: asyncio.Task | None = None
-        self._stall_watch: asyncio.Task | None = None
+        self._parts = contextlib.AsyncExitStack()  # what start started, each with its stop
+        self._grace_s: float | None = 0.0  # for the gRPC server's stop (see stop)
         self._health_updates: set[asyncio.Task] = set()
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
+        """Start every part. A part that fails to start stops the ones started before it,
+        in reverse order: no half-up server. ``stop`` stops them the same way."""
         opts = self.options
-        interceptors = [BearerTokenInterceptor(self.principals)] if self.principals else []
+        # Stops run in reverse: gRPC's grace first, then HTTP (whose stop waits for its
+        # streams) while the stall watch still cancels the ones nobody reads.
+        async with contextlib.AsyncExitStack() as parts:
+            if opts.metrics_port is not None:
+                parts.callback(_close_endpoint, self._serve_metrics())
+            refresher = asyncio.create_task(self._refresh_metrics(), name="metrics-refresh")
+            parts.push_async_callback(_cancel, refresher)
+            stall_watch = asyncio.create_task(self.state.stalls.watch(), name="stalled-streams")
+            parts.push_async_callback(_cancel, stall_watch)
+            if opts.http_port is not None:
+                parts.push_async_callback(await self._serve_http())
+            server = self._grpc_server()
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.port = _listen(server, opts)
+            await server.start()
+            parts.push_async_callback(lambda: server.stop(self._grace_s))
+            if opts.warmup:
+                await self._warm_up()
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            listeners = self.engine.supervisor.listeners
+            listeners.append(self._on_device_state)
+            parts.callback(listeners.remove, self._on_device_state)
+            self._parts = parts.pop_all()
+        log.info(
+            "server.ready",
+            port=self.port,
+            metrics_port=self.metrics_port,
+            http_port=self.http_port,
+            model=str(self.engine.config.model),
+            tls=opts.tls_cert is not None,
+            auth=self.state.principals is not None,
+        )
+
+    def _serve_metrics(self) -> Any:
+        """The /metrics endpoint, on a thread of prometheus_client's."""
+        host, port = self.options.host, self.options.metrics_port
+        try:
+            httpd, _ = start_http_server(port, host, registry=self.state.metrics.registry)
+        except OSError as exc:
+            raise ServerStartError(
+                f"the metrics endpoint cannot listen on {host}:{port}: {exc.strerror or exc}"
+            ) from None
+        self.metrics_port = httpd.server_port
+        return httpd
+
+    async def _serve_http(self) -> Callable[[], Awaitable[None]]:
+        """The OpenAI HTTP API, started; returns its stop."""
+        # Imported here: a server without the HTTP API never loads starlette and uvicorn.
+        from async_engine.server.http.app import OpenAIApp
+        from async_engine.server.http.server import HttpServer
+
+        opts = self.options
+        app = OpenAIApp(self.state, opts.max_message_bytes, opts.http_body_timeout_s).app
+        host = opts.http_host or opts.host
+        http = HttpServer(app, host, opts.http_port or 0, opts.http_header_timeout_s)
+        await http.start()
+        self.http_port = http.port
+        return http.stop
+
+    def _grpc_server(self) -> grpc.aio.Server:
+        opts = self.options
+        principals = self.state.principals
         server = grpc.aio.server(
-            interceptors=interceptors,
+            interceptors=[BearerTokenInterceptor(principals)] if principals else [],
             options=[
                 ("grpc.max_receive_message_length", opts.max_message_bytes),
                 ("grpc.max_send_message_length", opts.max_message_bytes),
@@ -116,66 +141,10 @@ class GenerationServer:
         )
         add_generation_service(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            server,
-        )
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        address = f"{opts.host}:{opts.port}"
-        try:
-            if opts.tls_cert is not None and opts.tls_key is not None:
-                with open(opts.tls_key, "rb") as k, open(opts.tls_cert, "rb") as c:
-                    creds = grpc.ssl_server_credentials([(k.read(), c.read())])
-                self.port = server.add_secure_port(address, creds)
-            else:
-                self.port = server.add_insecure_port(address)
-        except RuntimeError as exc:  # grpc's "failed to bind"
-            raise ServerStartError(f"gRPC cannot listen on {address}: {exc}") from None
-        self._server = server
-        await server.start()
-        try:
-            if opts.metrics_port is not None:
-                try:
-                    self._httpd, _ = start_http_server(
-                        opts.metrics_port, opts.host, registry=self.metrics.registry
-                    )
-                except OSError as exc:
-                    raise ServerStartError(f"the metrics endpoint cannot listen on {opts.host}:"
-                                       f"{opts.metrics_port}: {exc.strerror or exc}") from None  # fmt: skip
-                self.metrics_port = self._httpd.server_port
-            if opts.http_port is not None:
-                from async_engine.server.http.app import OpenAIApp
-                from async_engine.server.http.server import HttpServer
-
-                app = OpenAIApp(self, opts.max_message_bytes, opts.http_body_timeout_s).app
-                self.http = HttpServer(app, opts.http_host or opts.host, opts.http_port,
-                                       opts.http_header_timeout_s)  # fmt: skip
-                await self.http.start()
-                self.http_port = self.http.port
-        except BaseException:
-            await self.stop(grace_s=0)  # what started is closed again: no half-up server
-            raise
-        self._refresher = asyncio.create_task(self._refresh_metrics(), name="metrics-refresh")
-        self._stall_watch = asyncio.create_task(self.stalls.watch(), name="stalled-streams")
-        if opts.warmup:
-            await self._warm_up()
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self.engine.supervisor.listeners.append(self._on_device_state)
-        log.info(
-            "server.ready",
-            port=self.port,
-            metrics_port=self.metrics_port,
-            http_port=self.http_port,
-            model=str(self.engine.config.model),
-            tls=opts.tls_cert is not None,
-            auth=self.principals is not None,
-        )
+        health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+        names = (SERVICE_NAME, health_name, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+        return server
 
     async def _warm_up(self) -> None:
         """One tiny request, so that the first client does not pay for lazy initialisation."""
@@ -187,7 +156,7 @@ class GenerationServer:
     async def _refresh_metrics(self) -> None:
         while True:
             try:
-                self.metrics.refresh(self.engine)
+                self.state.metrics.refresh(self.engine)
             except Exception:  # a metrics bug must never take the server down
                 log.exception("metrics.refresh_failed")
             await asyncio.sleep(self.options.metrics_interval_s)
@@ -201,7 +170,7 @@ class GenerationServer:
 
     async def _set_health(self, state: DeviceState) -> None:
         serving = state is DeviceState.SERVING
-        if serving and self.service.draining:
+        if serving and self.state.draining:
             return
         status = health_pb2.HealthCheckResponse
         for name in ("", SERVICE_NAME):
@@ -211,45 +180,64 @@ class GenerationServer:
     async def drain(self, timeout_s: float | None = None) -> bool:
         """Refuse new requests, report NOT_SERVING, wait for in-flight ones. True if all ended."""
         timeout = self.options.drain_timeout_s if timeout_s is None else timeout_s
-        self.service.draining = True
+        calls = self.service.calls
+        self.state.draining = True
         await self.health.enter_graceful_shutdown()
-        log.info("server.draining", in_flight=len(self.service.calls), timeout_s=timeout)
+        log.info("server.draining", in_flight=len(calls), timeout_s=timeout)
         deadline = time.monotonic() + timeout
-        while self.service.calls:
+        while calls:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                log.warning("server.drain_timeout", still_running=len(self.service.calls))
+                log.warning("server.drain_timeout", still_running=len(calls))
                 return False
             # A stream nobody reads would hold the drain to its end: once its write has
             # stalled for a moment, it is cancelled instead of waited for.
-            self.stalls.cancel_stalled(self.DRAIN_STALL_S)
+            self.state.stalls.cancel_stalled(self.DRAIN_STALL_S)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.service.idle.wait(), min(0.1, remaining))
         return True
 
     async def stop(self, grace_s: float | None = 0.5) -> None:
         """Stop serving; RPCs still open after grace are cancelled (and their requests aborted)."""
-        listeners = self.engine.supervisor.listeners
-        if self._on_device_state in listeners:
-            listeners.remove(self._on_device_state)
-        if self._server is not None:
-            await self._server.stop(grace_s)
-        if self.http is not None:
-            await self.http.stop()
-            self.http = None
-        for task in (self._refresher, self._stall_watch):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
+        self._grace_s = grace_s
+        await self._parts.aclose()
         self._stopped.set()
         log.info("server.stopped")
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
+
+
+def _principals(opts: ServerOptions) -> Principals | None:
+    """Who may call: None without auth."""
+    if opts.auth_token_file is not None:
+        return Principals.load(opts.auth_token_file)
+    if opts.auth_token:
+        return Principals.single(opts.auth_token)
+    return None
+
+
+def _listen(server: grpc.aio.Server, opts: ServerOptions) -> int:
+    """Bind the gRPC port (TLS where a certificate is given); the port bound."""
+    address = f"{opts.host}:{opts.port}"
+    try:
+        if opts.tls_cert is not None and opts.tls_key is not None:
+            with open(opts.tls_key, "rb") as k, open(opts.tls_cert, "rb") as c:
+                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+            return server.add_secure_port(address, creds)
+        return server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpc's "failed to bind"
+        raise ServerStartError(f"gRPC cannot listen on {address}: {exc}") from None
+
+
+def _close_endpoint(httpd: Any) -> None:
+    httpd.shutdown()
+    httpd.server_close()
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 class BackgroundServer:

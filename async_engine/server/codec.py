@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from async_engine.core.chat import ROLE_ALIASES, ROLES
-from async_engine.core.fanout import child_params
+from async_engine.core.group import RequestOptions
 from async_engine.core.output import RequestDelta
 from async_engine.core.request import FinishReason
 from async_engine.server.errors import RpcFailure, invalid_argument
@@ -45,33 +45,13 @@ class Limits:
 
 @dataclass(slots=True)
 class Submission:
-    """A GenerateRequest, decoded: what add_request needs, once per output index."""
+    """A GenerateRequest, decoded into what ``core.group.submit`` takes."""
 
-    request_id: str
-    prompt: str | list[int] | None
-    messages: list[dict[str, str]] | None
-    params: SamplingParams
-    n: int
-    priority: int
-    tenant: str
-    detokenize: bool
-    max_queue_ms: int | None
-    time_limit_ms: int | None
+    request_id: str  # "" when the client gave none
+    prompt: str | list[int] | None  # None: a chat, in options.messages until templated
+    params: SamplingParams  # n > 1 runs as n children (see core.fanout)
+    options: RequestOptions
     prompt_field: str  # "text" | "token_ids" | "chat": where prompt errors point
-
-    def params_for(self, index: int) -> SamplingParams:
-        """Child ``index``'s params (see core.fanout)."""
-        return child_params(self.params, self.n, index)
-
-    def options(self) -> dict[str, Any]:
-        return {
-            "messages": self.messages,
-            "priority": self.priority,
-            "tenant": self.tenant,
-            "detokenize": self.detokenize,
-            "max_queue_ms": self.max_queue_ms,
-            "time_limit_ms": self.time_limit_ms,
-        }
 
 
 def _check_sizes(msg: pb.GenerateRequest, limits: Limits) -> None:
@@ -118,22 +98,18 @@ def decode_request(msg: pb.GenerateRequest, limits: Limits) -> Submission:
         raise invalid_argument(f"n must be <= {limits.max_n}, got {n}", "sampling.n")
     _check_sizes(msg, limits)
     try:
-        params = SamplingParams(**_params_kwargs(msg))
+        params = SamplingParams(n=n, **_params_kwargs(msg))
     except ValueError as exc:
         raise invalid_argument(str(exc)) from None
-    return Submission(
-        request_id=msg.request_id,
-        prompt=prompt,
-        messages=messages,
-        params=params,
-        n=n,
+    options = RequestOptions(
         priority=msg.priority,
         tenant=msg.tenant,
         detokenize=not msg.output.skip_detokenize,
         max_queue_ms=msg.max_queue_ms if msg.HasField("max_queue_ms") else None,
         time_limit_ms=msg.time_limit_ms if msg.HasField("time_limit_ms") else None,
-        prompt_field=prompt_field,
+        messages=messages,
     )
+    return Submission(msg.request_id, prompt, params, options, prompt_field)
 
 
 def _decode_prompt(
@@ -270,10 +246,6 @@ def finished(
     elif isinstance(delta.stop_reason, int):
         msg.stop_token_id = delta.stop_reason
     return pb.GenerateResponse(seq=seq, finished=msg)
-
-
-def is_failure(reason: FinishReason | None) -> bool:
-    return reason in (FinishReason.ERROR, FinishReason.QUEUE_TIMEOUT, FinishReason.UNREAD)
 
 
 __all__ = ["Limits", "RpcFailure", "Submission", "accepted", "chunk", "decode_request", "finished"]

@@ -65,8 +65,10 @@ def add_generation_service(servicer: Any, server: grpc.aio.Server) -> None:
             if streaming
             else grpc.unary_unary_rpc_method_handler
         )
-        handlers[name] = make(_guarded(getattr(servicer, name), streaming),
-                              request_deserializer=_tolerant(request_type),
-                              response_serializer=response_type.SerializeToString)  # fmt: skip
+        handlers[name] = make(
+            _guarded(getattr(servicer, name), streaming),
+            request_deserializer=_tolerant(request_type),
+            response_serializer=response_type.SerializeToString,
+        )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)

@@ -43,9 +43,15 @@ def kv_blocks_for(model: Any, block_size: int, share: float, step_tokens: int) -
     cache = model.allocate_kv_cache(blocks, block_size)
     cache_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in cache)
     span = torch.arange(step_tokens, device=device)
-    batch = ForwardBatch(torch.zeros_like(span), span, span, [step_tokens], [step_tokens],
-                         torch.arange(blocks, device=device)[None],
-                         torch.tensor([step_tokens - 1], device=device))  # fmt: skip
+    batch = ForwardBatch(
+        torch.zeros_like(span),
+        span,
+        span,
+        [step_tokens],
+        [step_tokens],
+        torch.arange(blocks, device=device)[None],
+        torch.tensor([step_tokens - 1], device=device),
+    )
     with torch.inference_mode():
         model(batch, cache)
     torch.cuda.synchronize(device)
@@ -55,5 +61,6 @@ def kv_blocks_for(model: Any, block_size: int, share: float, step_tokens: int) -
     free, total = torch.cuda.mem_get_info(device)
     itemsize = torch.empty(0, dtype=model.dtype).element_size()
     block_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * itemsize
-    return blocks_that_fit(total, free, torch.cuda.memory_reserved(device), peak, share,
-                           block_bytes)  # fmt: skip
+    return blocks_that_fit(
+        total, free, torch.cuda.memory_reserved(device), peak, share, block_bytes
+    )

@@ -60,8 +60,12 @@ def build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp],
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        proc = subprocess.run(
+            [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed:\n{proc.stderr[-2000:]}")
         os.replace(tmp, target)
@@ -89,8 +93,9 @@ def load() -> ctypes.CDLL | None:
         fn.restype = None
         fn.argtypes = [ptr] * 4 + [i64, ptr] + [i32] * 5 + [ctypes.c_float, ptr]
     lib.paged_prefill_bf16.restype = None
-    lib.paged_prefill_bf16.argtypes = [ptr] * 4 + [i64] + [ptr] * 3 + [i32] * 5 + \
-        [ctypes.c_float, ptr]  # fmt: skip
+    lib.paged_prefill_bf16.argtypes = (
+        [ptr] * 4 + [i64] + [ptr] * 3 + [i32] * 5 + [ctypes.c_float, ptr]
+    )
     lib.paged_prefill_supported.restype = i32
     lib.paged_prefill_supported.argtypes = [i32]
     lib.rms_norm_bf16.restype = lib.silu_mul_bf16.restype = lib.rope_bf16.restype = None
@@ -129,10 +134,20 @@ def paged_decode(
         raise ValueError(f"{batch} queries need {batch} block-table rows and context lengths")
     out = torch.empty_like(q)
     getattr(lib, KERNEL_DTYPES[q.dtype])(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-        tables.shape[1], lens.data_ptr(), batch, heads, kv_heads, head_dim, block_size,
-        head_dim**-0.5, out.data_ptr(),
-    )  # fmt: skip
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        lens.data_ptr(),
+        batch,
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        head_dim**-0.5,
+        out.data_ptr(),
+    )
     return out
 
 
@@ -168,10 +183,22 @@ def paged_prefill(
     if not block_tables.shape[0] == q_starts.numel() == context_lens.numel() == num_seqs:
         raise ValueError(f"{num_seqs} sequences need as many table rows, starts and lengths")
     lib.paged_prefill_bf16(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        block_tables.shape[1], q_starts.data_ptr(), q_lens.data_ptr(), context_lens.data_ptr(),
-        num_seqs, heads, kv_heads, head_dim, block_size, head_dim**-0.5, out.data_ptr(),
-    )  # fmt: skip
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.shape[1],
+        q_starts.data_ptr(),
+        q_lens.data_ptr(),
+        context_lens.data_ptr(),
+        num_seqs,
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        head_dim**-0.5,
+        out.data_ptr(),
+    )
 
 
 def elementwise_apply(x: torch.Tensor) -> bool:
@@ -192,8 +219,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = x.new_empty(x.shape[0], x.shape[1])
     if weight.shape != (x.shape[1],) or not weight.is_contiguous():
         raise ValueError(f"weight must be a contiguous [{x.shape[1]}] tensor")
-    lib.rms_norm_bf16(x.data_ptr(), _rows(x), weight.data_ptr(), x.shape[0], x.shape[1], eps,
-                      out.data_ptr())  # fmt: skip
+    lib.rms_norm_bf16(
+        x.data_ptr(), _rows(x), weight.data_ptr(), x.shape[0], x.shape[1], eps, out.data_ptr()
+    )
     return out
 
 
@@ -219,6 +247,14 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"cos and sin must be [{tokens}, {dim}]")
     cos, sin = cos.contiguous(), sin.contiguous()
     out = x.new_empty(tokens, heads, dim)
-    lib.rope_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), tokens, heads, dim,
-                  out.data_ptr())  # fmt: skip
+    lib.rope_bf16(
+        x.data_ptr(),
+        x.stride(0),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        tokens,
+        heads,
+        dim,
+        out.data_ptr(),
+    )
     return out

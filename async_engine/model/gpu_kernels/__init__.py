@@ -1,8 +1,9 @@
 """Triton kernels for the CUDA device.
 
 Nothing here imports triton at import time: the CPU engine imports this package, and triton
-(present or not) must cost it nothing. The kernels live in ``paged_attention`` (imported only by
-the CUDA path and tests); ``aot`` compiles them ahead of time for an H200 without a GPU.
+(present or not) must cost it nothing. The kernels live in ``paged_attention_kernels`` and
+are launched through ``paged_attention`` (both imported only by the CUDA path and tests);
+``aot`` compiles them ahead of time for an H200 without a GPU.
 ``available()`` says whether the Triton path can run and, when not, logs one line saying why,
 so the caller keeps the torch path.
 """

@@ -27,12 +27,21 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 from . import paged_attention as pa
+from . import paged_attention_kernels as kernels
 
 SM90 = GPUTarget("cuda", 90, 32)  # arch 90 compiles to sm_90a; 32 threads per warp
 TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 # Strides fit int32; the kernels widen to int64 where a product could overflow.
-_STRIDES = ("q_stride_t", "q_stride_h", "o_stride_t", "o_stride_h",
-            "c_stride_b", "c_stride_s", "c_stride_h", "table_stride")  # fmt: skip
+_STRIDES = (
+    "q_stride_t",
+    "q_stride_h",
+    "o_stride_t",
+    "o_stride_h",
+    "c_stride_b",
+    "c_stride_s",
+    "c_stride_h",
+    "table_stride",
+)
 
 
 def compile_for_sm90(
@@ -81,25 +90,34 @@ def _signature(dtype: torch.dtype, int_pointers: tuple[str, ...]) -> dict[str, s
 def compile_decode(dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> Any:
     """The decode kernel as ``paged_decode`` launches it (int64 block tables and lengths)."""
     consts = {
-        "GROUP": group, "GROUP_PAD": max(pa.MIN_DOT, pa._pow2(group)), "HEAD_DIM": head_dim,
-        "DIM_PAD": pa._pow2(head_dim), "BLOCK_SIZE": block_size, "DOT_F32": False,
+        "GROUP": group,
+        "GROUP_PAD": max(kernels.MIN_DOT, pa._pow2(group)),
+        "HEAD_DIM": head_dim,
+        "DIM_PAD": pa._pow2(head_dim),
+        "BLOCK_SIZE": block_size,
+        "DOT_F32": False,
         "PRECISION": "ieee",
-    }  # fmt: skip
+    }
     sig = _signature(dtype, ("tables_ptr", "lens_ptr"))
     sig.update(dict.fromkeys(consts, "constexpr"))
-    return compile_for_sm90(pa.paged_decode_kernel, sig, consts, num_warps=pa.DECODE_WARPS)
+    return compile_for_sm90(kernels.paged_decode_kernel, sig, consts, num_warps=pa.DECODE_WARPS)
 
 
 def compile_varlen(dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> Any:
     """The unified prefill/chunk/decode kernel as ``paged_varlen`` launches it by default."""
     block_m, num_warps = pa.varlen_config(dtype, head_dim)
     consts = {
-        "GROUP": group, "HEAD_DIM": head_dim, "DIM_PAD": pa._pow2(head_dim),
-        "BLOCK_SIZE": block_size, "BLOCK_M": block_m, "DOT_F32": False, "PRECISION": "ieee",
-    }  # fmt: skip
+        "GROUP": group,
+        "HEAD_DIM": head_dim,
+        "DIM_PAD": pa._pow2(head_dim),
+        "BLOCK_SIZE": block_size,
+        "BLOCK_M": block_m,
+        "DOT_F32": False,
+        "PRECISION": "ieee",
+    }
     sig = _signature(dtype, ("tables_ptr", "starts_ptr", "q_lens_ptr", "lens_ptr"))
     sig.update(dict.fromkeys(consts, "constexpr"))
-    return compile_for_sm90(pa.paged_varlen_kernel, sig, consts, num_warps=num_warps)
+    return compile_for_sm90(kernels.paged_varlen_kernel, sig, consts, num_warps=num_warps)
 
 
 def resource_usage(compiled: Any) -> dict[str, int]:
@@ -109,8 +127,13 @@ def resource_usage(compiled: Any) -> dict[str, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        proc = subprocess.run([str(tool), "--dump-resource-usage", f.name],
-                              capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+        proc = subprocess.run(
+            [str(tool), "--dump-resource-usage", f.name],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
     found = re.search(r"REG:(\d+) STACK:(\d+)", proc.stdout)
     if found is None:
         raise RuntimeError(f"no resource usage in cuobjdump output: {proc.stdout[-500:]}")
@@ -136,14 +159,24 @@ def main(argv: list[str] | None = None) -> None:
                     kernel = build(DTYPES[dtype], head_dim, block_size, args.group)
                     seconds = time.perf_counter() - start
                     ptx = kernel.asm["ptx"]
-                    print(json.dumps({
-                        "kernel": name, "dtype": dtype, "head_dim": head_dim,
-                        "block_size": block_size, "seconds": seconds,
-                        "cubin_bytes": len(kernel.asm["cubin"]),
-                        "sm_90a": ".target sm_90a" in ptx, "mma": "mma" in ptx,
-                        "wgmma": "wgmma" in ptx, "shared": kernel.metadata.shared,
-                        **resource_usage(kernel),
-                    }), flush=True)  # fmt: skip
+                    print(
+                        json.dumps(
+                            {
+                                "kernel": name,
+                                "dtype": dtype,
+                                "head_dim": head_dim,
+                                "block_size": block_size,
+                                "seconds": seconds,
+                                "cubin_bytes": len(kernel.asm["cubin"]),
+                                "sm_90a": ".target sm_90a" in ptx,
+                                "mma": "mma" in ptx,
+                                "wgmma": "wgmma" in ptx,
+                                "shared": kernel.metadata.shared,
+                                **resource_usage(kernel),
+                            }
+                        ),
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

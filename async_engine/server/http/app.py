@@ -11,7 +11,7 @@ import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive
 
 from async_engine.core.supervisor import DeviceState
 from async_engine.server.auth import NotAllowed, Principal
@@ -26,6 +27,7 @@ from async_engine.server.http.errors import HttpError, bad_request
 from async_engine.server.http.generate import OpenAIGeneration
 from async_engine.server.http.protocol import chat_request, completion_request
 from async_engine.server.stalls import StalledStreams
+from async_engine.server.state import ServingState
 
 # JSON can carry a surrogate code point only as a \uD800-\uDFFF escape, or as the CESU-8
 # bytes json.loads lets through (ED A0..BF): Python strings hold it, no tokenizer takes it.
@@ -33,28 +35,27 @@ JSON_TYPES = ("application/json", "*/*", "")  # no Content-Type at all is taken 
 OFF_LOOP_BYTES = 64 << 10  # bodies this big are parsed on a worker thread
 _MAY_HOLD_SURROGATE = re.compile(rb"\\u[dD][89abAB]|\xed[\xa0-\xbf]")
 
-if TYPE_CHECKING:
-    from async_engine.server.app import GenerationServer
-
 
 class OpenAIApp:
     def __init__(
-        self, server: GenerationServer, max_body_bytes: int = 4 << 20, body_timeout_s: float = 30.0
+        self, state: ServingState, max_body_bytes: int = 4 << 20, body_timeout_s: float = 30.0
     ) -> None:
-        self.server = server
-        self.engine = server.engine
+        self.state = state
+        self.engine = state.engine
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
-        self.principals = server.principals
         self.model_names = {"default", str(self.engine.config.model)}
-        self.app = Starlette(routes=[
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            Route("/health", self.health, methods=["GET"]),
-            Route("/metrics", self.metrics, methods=["GET"]),
-        ], exception_handlers={HTTPException: _http_exception})  # fmt: skip
+        self.app = Starlette(
+            routes=[
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
+            ],
+            exception_handlers={HTTPException: _http_exception},
+        )
 
     # ------------------------------------------------------------ endpoints
     async def models(self, request: Request) -> Response:
@@ -69,15 +70,21 @@ class OpenAIApp:
             self._authorize(request)
             name = request.path_params["model"]
             if name not in self.model_names:
-                raise HttpError(404, f"model {name!r} is not served here", "model",
-                                "model_not_found")  # fmt: skip
+                raise HttpError(
+                    404, f"model {name!r} is not served here", "model", "model_not_found"
+                )
         except HttpError as exc:
             return exc.response()
         return JSONResponse(self._card())
 
     def _card(self) -> dict[str, Any]:
-        return {"id": str(self.engine.config.model), "object": "model", "created": 0,
-                "owned_by": "async-engine", "max_model_len": self.engine.max_model_len}  # fmt: skip
+        return {
+            "id": str(self.engine.config.model),
+            "object": "model",
+            "created": 0,
+            "owned_by": "async-engine",
+            "max_model_len": self.engine.max_model_len,
+        }
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)
@@ -86,26 +93,30 @@ class OpenAIApp:
         return await self._generate(request, chat=True)
 
     async def health(self, request: Request) -> Response:
-        if self.server.service.draining or self.engine.device_state is not DeviceState.SERVING:
+        if self.state.draining or self.engine.device_state is not DeviceState.SERVING:
             return PlainTextResponse("not serving", status_code=503)
         return PlainTextResponse("ok")
 
     async def metrics(self, request: Request) -> Response:
-        body = generate_latest(self.server.metrics.registry)
+        body = generate_latest(self.state.metrics.registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     # ---------------------------------------------------------- generation
     async def _generate(self, request: Request, chat: bool) -> Response:
         try:
             principal = self._authorize(request)
-            if self.server.service.draining:
+            if self.state.draining:
                 raise HttpError(503, "server is draining; retry on another replica")
             kind = request.headers.get("content-type", "application/json").split(";")[0]
             if kind.strip().lower() not in JSON_TYPES:
-                raise HttpError(415, f"Content-Type must be application/json, got {kind[:64]!r}",
-                                None, "unsupported_media_type")  # fmt: skip
+                raise HttpError(
+                    415,
+                    f"Content-Type must be application/json, got {kind[:64]!r}",
+                    None,
+                    "unsupported_media_type",
+                )
             body, size = await self._json(request)
-            limits = self.server.options.limits
+            limits = self.state.limits
             parse = chat_request if chat else completion_request
             costly = isinstance(body, dict) and ("tools" in body or "response_format" in body)
             if size > OFF_LOOP_BYTES or costly:
@@ -115,8 +126,9 @@ class OpenAIApp:
                 sub = parse(body, limits)
             sub.user = sub.user or request.headers.get("x-tenant", "")
             if len(sub.user) > limits.max_tenant_chars:
-                raise bad_request(f"user (the tenant) is longer than {limits.max_tenant_chars} "
-                                  "characters", "user")  # fmt: skip
+                raise bad_request(
+                    f"user (the tenant) is longer than {limits.max_tenant_chars} characters", "user"
+                )
             if principal is not None:
                 try:
                     sub.user, sub.priority = principal.admit(sub.user, sub.priority)
@@ -124,12 +136,12 @@ class OpenAIApp:
                     field = "user" if exc.field == "tenant" else exc.field
                     raise HttpError(403, str(exc), field, "permission_denied") from None
             if sub.model not in self.model_names:
-                raise HttpError(404, f"model {sub.model!r} is not served here", "model",
-                                "model_not_found")  # fmt: skip
+                raise HttpError(
+                    404, f"model {sub.model!r} is not served here", "model", "model_not_found"
+                )
             try:
                 tools = sub.tools.tools if sub.tools and sub.tools.choice != "none" else None
-                sub.prompt = await self.engine.prepare(sub.prompt, sub.params, sub.messages,
-                                                       tools)  # fmt: skip
+                sub.prompt = await self.engine.prepare(sub.prompt, sub.params, sub.messages, tools)
                 sub.messages = None  # templated off the loop: the prompt holds its ids now
             except ValueError as exc:
                 text = str(exc)
@@ -138,8 +150,10 @@ class OpenAIApp:
                 raise bad_request(text, field) from None
             request_id = request.headers.get("x-request-id")
             if request_id is not None and len(request_id) > limits.max_request_id_chars:
-                raise bad_request(f"x-request-id is longer than {limits.max_request_id_chars} "
-                                  "characters", "x-request-id")  # fmt: skip
+                raise bad_request(
+                    f"x-request-id is longer than {limits.max_request_id_chars} characters",
+                    "x-request-id",
+                )
             if request_id is not None and not (request_id.isascii() and request_id.isprintable()):
                 # Header bytes arrive as latin-1: anything else would be echoed garbled.
                 raise bad_request("x-request-id must be printable ASCII", "x-request-id")
@@ -149,26 +163,28 @@ class OpenAIApp:
             return exc.response()
         headers = {"x-request-id": gen.id}
         if sub.stream:
-            return StreamingResponse(_released(gen, self.server.stalls),
-                                     media_type="text/event-stream", headers=headers)  # fmt: skip
+            return StreamingResponse(
+                _released(gen, self.state.stalls), media_type="text/event-stream", headers=headers
+            )
         return await self._whole(request, gen, headers)
 
     async def _whole(self, request: Request, gen: OpenAIGeneration, headers: dict) -> Response:
-        task = asyncio.ensure_future(gen.complete())
+        """The answer in one response, unless the client leaves first: then its request is
+        aborted at once, as a dropped stream's is."""
+        answer = asyncio.create_task(gen.complete())
+        client_left = asyncio.create_task(_disconnected(request.receive))
         try:
-            while True:  # a client that leaves aborts its request, as a dropped stream does
-                done, _ = await asyncio.wait((task,), timeout=0.25)
-                if done:
-                    break
-                if await request.is_disconnected():
-                    task.cancel()
-                    return Response(status_code=499)
-            return JSONResponse(task.result(), headers=headers)
+            await asyncio.wait((answer, client_left), return_when=asyncio.FIRST_COMPLETED)
+            if not answer.done():
+                client_left.result()  # an error waiting for the client is ours: raise it
+                return Response(status_code=499)
+            return JSONResponse(answer.result(), headers=headers)
         except HttpError as exc:
             return exc.response()
         finally:
-            if not task.done():
+            for task in (answer, client_left):
                 task.cancel()
+            await asyncio.gather(answer, client_left, return_exceptions=True)
             gen.release()
 
     async def _json(self, request: Request) -> tuple[Any, int]:
@@ -185,8 +201,12 @@ class OpenAIApp:
                         raise HttpError(413, f"request body over {self.max_body_bytes} bytes")
                     chunks.append(chunk)
         except TimeoutError:
-            raise HttpError(408, f"the request body did not arrive within {self.body_timeout_s} s",
-                            None, "request_timeout") from None  # fmt: skip
+            raise HttpError(
+                408,
+                f"the request body did not arrive within {self.body_timeout_s} s",
+                None,
+                "request_timeout",
+            ) from None
         raw = b"".join(chunks)
         if len(raw) > OFF_LOOP_BYTES:
             return await asyncio.to_thread(_parse_json, raw), len(raw)
@@ -194,9 +214,9 @@ class OpenAIApp:
 
     def _authorize(self, request: Request) -> Principal | None:
         """The caller's principal (None without auth); HttpError 401 for a bad token."""
-        if self.principals is None:
+        if self.state.principals is None:
             return None
-        principal = self.principals.lookup(request.headers.get("authorization"))
+        principal = self.state.principals.lookup(request.headers.get("authorization"))
         if principal is None:
             raise HttpError(401, "missing or wrong bearer token", None, "invalid_api_key")
         return principal
@@ -212,6 +232,12 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     if isinstance(exc, HTTPException) and exc.headers:
         response.headers.update(exc.headers)  # Allow, for a 405
     return response
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns once the client has gone (the request's body was read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _released(gen: OpenAIGeneration, stalls: StalledStreams) -> AsyncIterator[str]:
@@ -238,6 +264,7 @@ def _parse_json(raw: bytes) -> Any:
         try:
             json.dumps(body, ensure_ascii=False).encode()
         except UnicodeEncodeError:
-            raise bad_request("the body holds a lone UTF-16 surrogate: a string that is "
-                              "not valid Unicode", None) from None  # fmt: skip
+            raise bad_request(
+                "the body holds a lone UTF-16 surrogate: a string that is not valid Unicode", None
+            ) from None
     return body

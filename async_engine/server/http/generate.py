@@ -10,16 +10,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from async_engine.core.engine import AsyncEngine, EngineClosedError
-from async_engine.core.fanout import child_ids
-from async_engine.core.inputs import DuplicateRequestError, QueueFullError
+from async_engine.core.engine import AsyncEngine
+from async_engine.core.group import RequestGroup, RequestOptions, submit
 from async_engine.core.output import RequestDelta
-from async_engine.core.request import FinishReason, Request
 from async_engine.server.auth import Principal, scoped
-from async_engine.server.http.errors import HttpError, bad_request
+from async_engine.server.http.failures import failure, refusal
 from async_engine.server.http.protocol import HttpSubmission, finish_reason, usage
 from async_engine.server.http.tools import ToolStream
-from async_engine.server.service import merge_streams
 
 
 @dataclass(slots=True)
@@ -34,62 +31,55 @@ class Choice:
 class OpenAIGeneration:
     """A completion or chat request: ``chat`` picks the response objects' shapes."""
 
-    def __init__(self, engine: AsyncEngine, sub: HttpSubmission, chat: bool,
-                 request_id: str | None, principal: Principal | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        sub: HttpSubmission,
+        chat: bool,
+        request_id: str | None,
+        principal: Principal | None = None,
+    ) -> None:
         self.engine, self.sub, self.chat = engine, sub, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + (request_id or uuid.uuid4().hex)
         # Engine ids are scoped to the caller: another principal's ids are not visible.
         self.engine_id = scoped(principal, self.id)
         self.created = int(time.time())
-        self.children: list[Request] = []
+        self.group = RequestGroup(engine, self.engine_id, [])  # until submitted: none
         self.prompt_tokens = self.cached_tokens = 0
 
     def submit(self) -> None:
+        """Queue the request's samples; HttpError if the engine refuses them."""
         sub = self.sub
         # A whole (non-streamed) answer wants its output once, at the end; until then its
         # client has seen nothing, so a lost device can start it over.
-        options: dict[str, Any] = {"tenant": sub.user, "stream": sub.stream,
-                                   "priority": sub.priority or 0}  # fmt: skip
-        prompt = sub.prompt
+        options = RequestOptions(priority=sub.priority or 0, tenant=sub.user, stream=sub.stream)
         if sub.messages is not None:  # not templated yet (the app templates off the loop)
-            options["messages"] = sub.messages
+            options.messages = sub.messages
             if sub.tools is not None and sub.tools.choice != "none":
-                options["tools"] = sub.tools.tools
+                options.tools = sub.tools.tools
         try:
-            for i, child in enumerate(child_ids(self.engine_id, sub.params.n)):
-                params = sub.params.for_sample(i)
-                self.children.append(self.engine.add_request(prompt, params, child, **options))
-        except BaseException as exc:
-            self.release()
-            raise _http_error(exc) from None
-        first = self.children[0]
-        self.prompt_tokens = first.num_prompt_tokens
+            self.group = submit(self.engine, sub.prompt, sub.params, self.engine_id, options)
+        except Exception as exc:
+            raise refusal(exc) from None
+        self.prompt_tokens = self.group.children[0].num_prompt_tokens
 
     def release(self) -> None:
-        for req in self.children:
-            self.engine.release(req)  # aborts what still runs: the client is gone
+        self.group.release()  # aborts what still runs: the client is gone
 
     async def deltas(self) -> AsyncIterator[tuple[int, RequestDelta]]:
-        async for index, delta in merge_streams(self.engine, self.children):
-            if delta.finish_reason is FinishReason.DEVICE_LOST:
-                raise HttpError(503, "the device running this request was lost; retry it",
-                                code="device_lost")  # fmt: skip
-            if delta.finish_reason is FinishReason.ERROR:
-                raise HttpError(500, "the model step running this request failed")
-            if delta.finish_reason is FinishReason.QUEUE_TIMEOUT:
-                raise HttpError(429, "request was not admitted in time", code="queue_timeout")
-            if delta.finish_reason is FinishReason.UNREAD:
-                raise HttpError(429, "the stream was not read fast enough", code="unread_output")
+        async for index, delta in self.group.deltas():
+            failed = failure(delta.finish_reason)
+            if failed is not None:
+                raise failed
             self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
             yield index, delta
 
     # --------------------------------------------------------------- whole
     async def complete(self) -> dict[str, Any]:
-        choices = [Choice() for _ in self.children]
+        choices = [Choice() for _ in range(len(self.group))]
         for index, delta in [x async for x in self.deltas()]:
             c = choices[index]
-            _extend(c, Choice(delta.text, delta.token_ids, delta.logprobs or [],
-                              delta.top_logprobs or []))  # fmt: skip
+            _extend(c, _part(delta))
             if delta.finished:
                 c.finish_reason = finish_reason(delta.finish_reason)
         completion = sum(len(c.token_ids) for c in choices)
@@ -112,10 +102,18 @@ class OpenAIGeneration:
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     reason = "tool_calls"
-            return {"index": index, "message": message, "logprobs": logprobs,
-                    "finish_reason": reason}  # fmt: skip
-        return {"index": index, "text": c.text, "logprobs": logprobs,
-                "finish_reason": c.finish_reason}  # fmt: skip
+            return {
+                "index": index,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": reason,
+            }
+        return {
+            "index": index,
+            "text": c.text,
+            "logprobs": logprobs,
+            "finish_reason": c.finish_reason,
+        }
 
     def _logprobs(self, c: Choice, start: int = 0) -> dict[str, Any]:
         """OpenAI's logprobs of ``c``'s tokens; ``start`` is the completion's text offset of
@@ -125,12 +123,20 @@ class OpenAIGeneration:
         pieces = [piece(t) for t in c.token_ids]
         tops = c.top_logprobs or [[] for _ in c.token_ids]
         if self.chat:
-            return {"content": [
-                {"token": p, "logprob": lp, "bytes": list(p.encode()),
-                 "top_logprobs": [{"token": piece(a), "logprob": b,
-                                   "bytes": list(piece(a).encode())} for a, b in top]}
-                for p, lp, top in zip(pieces, c.logprobs, tops, strict=False)
-            ]}  # fmt: skip
+            return {
+                "content": [
+                    {
+                        "token": p,
+                        "logprob": lp,
+                        "bytes": list(p.encode()),
+                        "top_logprobs": [
+                            {"token": piece(a), "logprob": b, "bytes": list(piece(a).encode())}
+                            for a, b in top
+                        ],
+                    }
+                    for p, lp, top in zip(pieces, c.logprobs, tops, strict=False)
+                ]
+            }
         offsets = []
         for p in pieces:
             offsets.append(start)
@@ -145,7 +151,7 @@ class OpenAIGeneration:
     # -------------------------------------------------------------- stream
     async def events(self) -> AsyncIterator[str]:
         """Server-sent events: a chunk per delta, the usage chunk if asked, then [DONE]."""
-        n = len(self.children)
+        n = len(self.group)
         emitted, offsets = [0] * n, [0] * n
         wants_logprobs = self.sub.params.logprobs is not None
         if self.chat:
@@ -157,12 +163,12 @@ class OpenAIGeneration:
         async for index, delta in self.deltas():
             emitted[index] += len(delta.token_ids)
             reason = finish_reason(delta.finish_reason) if delta.finished else None
-            part = Choice(delta.text, delta.token_ids, delta.logprobs or [],
-                          delta.top_logprobs or [])  # fmt: skip
+            part = _part(delta)
             if tools is not None:
                 _extend(held[index], part)
-                for event in self._tool_events(index, streams[index], held[index], delta.text,
-                                               reason):  # fmt: skip
+                for event in self._tool_events(
+                    index, streams[index], held[index], delta.text, reason
+                ):
                     yield event
                 continue
             if not (delta.text or reason is not None or (wants_logprobs and delta.token_ids)):
@@ -174,14 +180,20 @@ class OpenAIGeneration:
             content = {"content": delta.text} if self.chat else delta.text
             yield self._event(index, content, reason, logprobs)
         if self.sub.include_usage:
-            body = {"id": self.id, "object": self._chunk_object(), "created": self.created,
-                    "model": self.sub.model, "choices": [],
-                    "usage": usage(self.prompt_tokens, sum(emitted), self.cached_tokens)}  # fmt: skip
+            body = {
+                "id": self.id,
+                "object": self._chunk_object(),
+                "created": self.created,
+                "model": self.sub.model,
+                "choices": [],
+                "usage": usage(self.prompt_tokens, sum(emitted), self.cached_tokens),
+            }
             yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
 
-    def _tool_events(self, index: int, stream: ToolStream, whole: Choice, text: str,
-                     reason: str | None) -> list[str]:  # fmt: skip
+    def _tool_events(
+        self, index: int, stream: ToolStream, whole: Choice, text: str, reason: str | None
+    ) -> list[str]:
         """A delta of an answer with tools: text that cannot be a call goes out at once; the
         calls (and the answer's logprobs) when it is whole."""
         events = []
@@ -205,12 +217,18 @@ class OpenAIGeneration:
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def _event(self, index: int, content: Any, reason: str | None,
-               logprobs: dict[str, Any] | None = None) -> str:  # fmt: skip
+    def _event(
+        self, index: int, content: Any, reason: str | None, logprobs: dict[str, Any] | None = None
+    ) -> str:
         key = "delta" if self.chat else "text"
         choice = {"index": index, key: content, "logprobs": logprobs, "finish_reason": reason}
-        body = {"id": self.id, "object": self._chunk_object(), "created": self.created,
-                "model": self.sub.model, "choices": [choice]}  # fmt: skip
+        body = {
+            "id": self.id,
+            "object": self._chunk_object(),
+            "created": self.created,
+            "model": self.sub.model,
+            "choices": [choice],
+        }
         return f"data: {json.dumps(body)}\n\n"
 
 
@@ -221,15 +239,5 @@ def _extend(whole: Choice, part: Choice) -> None:
     whole.top_logprobs += part.top_logprobs
 
 
-def _http_error(exc: BaseException) -> BaseException:
-    if isinstance(exc, HttpError):
-        return exc
-    if isinstance(exc, DuplicateRequestError):
-        return HttpError(400, str(exc), "x-request-id", "duplicate_request_id")
-    if isinstance(exc, QueueFullError):
-        return HttpError(429, str(exc), None, "queue_full")
-    if isinstance(exc, EngineClosedError):
-        return HttpError(503, str(exc), None, "engine_stopped")
-    if isinstance(exc, ValueError):
-        return bad_request(str(exc))
-    return exc
+def _part(delta: RequestDelta) -> Choice:
+    return Choice(delta.text, delta.token_ids, delta.logprobs or [], delta.top_logprobs or [])

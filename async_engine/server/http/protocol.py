@@ -93,8 +93,9 @@ def structured_output(
             "json_object",
             "json_schema",
         ):
-            raise bad_request("response_format type must be text, json_object or json_schema",
-                              "response_format")  # fmt: skip
+            raise bad_request(
+                "response_format type must be text, json_object or json_schema", "response_format"
+            )
         if fmt["type"] == "json_object":
             # A JSON object, as OpenAI's json_object promises (the "json" kind takes any value).
             found.append(("json_schema", JSON_OBJECT))
@@ -102,8 +103,9 @@ def structured_output(
             spec = fmt.get("json_schema")
             schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, dict):
-                raise bad_request("response_format.json_schema.schema must be an object",
-                                  "response_format")  # fmt: skip
+                raise bad_request(
+                    "response_format.json_schema.schema must be an object", "response_format"
+                )
             found.append(("json_schema", json.dumps(schema)))
     fields = ["response_format"] * len(found)
     for name, kind in (("guided_regex", "regex"), ("guided_grammar", "grammar")):
@@ -111,18 +113,29 @@ def structured_output(
             found.append((kind, _get(body, name, (str,))))
             fields.append(name)
     if len(found) > 1:
-        raise bad_request("give one of response_format, guided_regex, guided_grammar",
-                          "response_format")  # fmt: skip
+        raise bad_request(
+            "give one of response_format, guided_regex, guided_grammar", "response_format"
+        )
     if found and len(found[0][1]) > limits.max_structured_chars:
-        raise bad_request(f"{fields[0]} is longer than {limits.max_structured_chars} characters",
-                          fields[0])  # fmt: skip
+        raise bad_request(
+            f"{fields[0]} is longer than {limits.max_structured_chars} characters", fields[0]
+        )
     return found[0] if found else None
 
 
-def _params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
-            structured: tuple[str, str] | None, limits: Limits) -> SamplingParams:  # fmt: skip
-    values: dict[str, Any] = {"max_tokens": max_tokens, "stop": _stop(body, limits),
-                              "logprobs": logprobs, "structured_output": structured}  # fmt: skip
+def _params(
+    body: dict[str, Any],
+    max_tokens: int | None,
+    logprobs: int | None,
+    structured: tuple[str, str] | None,
+    limits: Limits,
+) -> SamplingParams:
+    values: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "stop": _stop(body, limits),
+        "logprobs": logprobs,
+        "structured_output": structured,
+    }
     for name, field in _SAMPLING.items():
         if body.get(name) is not None:
             values[field] = body[name]
@@ -134,8 +147,9 @@ def _params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
         if not isinstance(stop_ids, list):
             raise bad_request("stop_token_ids must be a list of token ids", "stop_token_ids")
         if len(stop_ids) > limits.max_stop_token_ids:
-            raise bad_request(f"stop_token_ids has more than {limits.max_stop_token_ids} ids",
-                              "stop_token_ids")  # fmt: skip
+            raise bad_request(
+                f"stop_token_ids has more than {limits.max_stop_token_ids} ids", "stop_token_ids"
+            )
         values["stop_token_ids"] = tuple(stop_ids)
     try:
         return SamplingParams(**values)
@@ -195,16 +209,18 @@ def chat_request(body: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> HttpS
         raise bad_request(f"messages has more than {limits.max_messages} entries", "messages")
     for old in ("functions", "function_call"):
         if body.get(old) is not None:
-            raise bad_request(f"{old} is the deprecated form of tools: give tools and "
-                              "tool_choice", old)  # fmt: skip
+            raise bad_request(
+                f"{old} is the deprecated form of tools: give tools and tool_choice", old
+            )
     try:
         messages = normalize_messages(messages)
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from None
     chars = sum(len(m.get("content") or "") for m in messages)
     if chars > limits.max_prompt_chars:
-        raise bad_request(f"messages are longer than {limits.max_prompt_chars} characters",
-                          "messages")  # fmt: skip
+        raise bad_request(
+            f"messages are longer than {limits.max_prompt_chars} characters", "messages"
+        )
     max_tokens = _get(body, "max_completion_tokens", (int,), None)
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", (int,), None)
@@ -213,12 +229,16 @@ def chat_request(body: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> HttpS
     if top is not None and not wants:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
-        raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {top}",
-                          "top_logprobs")  # fmt: skip
+        raise bad_request(
+            f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {top}", "top_logprobs"
+        )
     structured = structured_output(body, limits)
     if len(json.dumps(body.get("tools") or [])) > limits.max_structured_chars:
-        raise bad_request(f"tools are longer than {limits.max_structured_chars} characters "
-                          "(their grammar is compiled per request)", "tools")  # fmt: skip
+        raise bad_request(
+            f"tools are longer than {limits.max_structured_chars} characters "
+            "(their grammar is compiled per request)",
+            "tools",
+        )
     tools = tool_spec(body, structured)
     if tools is not None:
         structured = tools.schema_output()

@@ -65,8 +65,16 @@ class HttpServer:
         protocol = type(
             "HeaderDeadline", (_HeaderDeadline,), {"header_timeout_s": header_timeout_s}
         )
-        config = uvicorn.Config(app, host=host, port=port, loop="none", lifespan="off",
-                                log_level="warning", access_log=False, http=protocol)  # fmt: skip
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            loop="none",
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            http=protocol,
+        )
         self._server = _Server(config)
         self._task: asyncio.Task | None = None
 
@@ -76,8 +84,9 @@ class HttpServer:
         try:
             sock = socket.create_server((config.host, config.port))
         except OSError as exc:
-            raise ServerStartError(f"the HTTP API cannot listen on {config.host}:{config.port}: "
-                               f"{exc.strerror or exc}") from None  # fmt: skip
+            raise ServerStartError(
+                f"the HTTP API cannot listen on {config.host}:{config.port}: {exc.strerror or exc}"
+            ) from None
         self._task = asyncio.create_task(self._server.serve([sock]), name="http-server")
         while not self._server.started:
             if self._task.done():

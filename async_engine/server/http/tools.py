@@ -51,8 +51,10 @@ class ToolSpec:
             return self.answer
         named = self.choice not in ("auto", "required")  # a named function is called once
         many = self.parallel and not named
-        rules = [f"calls: {'call+' if many else 'call'}",
-                 self._call_rule({self.choice} if named else None)]  # fmt: skip
+        rules = [
+            f"calls: {'call+' if many else 'call'}",
+            self._call_rule({self.choice} if named else None),
+        ]
         if self.choice == "auto":
             rules = ["start: calls | answer", *rules, "answer: " + _answer_rule(self.answer)]
         else:
@@ -61,12 +63,17 @@ class ToolSpec:
 
     def _call_rule(self, names: set[str] | None) -> str:
         options = [
-            {"type": "object",
-             "properties": {"name": {"const": f["name"]},
-                            "arguments": f.get("parameters") or {"type": "object"}},
-             "required": ["name", "arguments"]}
-            for f in self._functions() if names is None or f["name"] in names
-        ]  # fmt: skip
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": f["name"]},
+                    "arguments": f.get("parameters") or {"type": "object"},
+                },
+                "required": ["name", "arguments"],
+            }
+            for f in self._functions()
+            if names is None or f["name"] in names
+        ]
         schema = options[0] if len(options) == 1 else {"anyOf": options}
         schema = {**closed_objects(schema), **_COMPACT}
         return f'call: "<tool_call>\\n" %json {json.dumps(schema)} "\\n</tool_call>" "\\n"?'
@@ -78,8 +85,7 @@ class ToolSpec:
         """(content, tool_calls) of a finished answer: declared, valid calls only."""
         if self.choice == "none":
             return text, []
-        schemas = {f["name"]: f.get("parameters") or {"type": "object"}
-                   for f in self._functions()}  # fmt: skip
+        schemas = {f["name"]: f.get("parameters") or {"type": "object"} for f in self._functions()}
         calls: list[dict[str, Any]] = []
         kept: list[str] = []  # what is not a call stays text
         at = 0
@@ -202,8 +208,13 @@ def tool_spec(body: dict[str, Any], answer: tuple[str, str] | None) -> ToolSpec 
     names = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(fn, dict)
-                and isinstance(fn.get("name"), str) and fn["name"]):  # fmt: skip
+        if not (
+            isinstance(tool, dict)
+            and tool.get("type") == "function"
+            and isinstance(fn, dict)
+            and isinstance(fn.get("name"), str)
+            and fn["name"]
+        ):
             raise bad_request(f"tools[{i}] must be a function with a name", "tools")
         params = fn.get("parameters")
         if params is not None:
@@ -211,8 +222,9 @@ def tool_spec(body: dict[str, Any], answer: tuple[str, str] | None) -> ToolSpec 
                 raise bad_request(f"tools[{i}].function.parameters must be a JSON Schema", "tools")
             problem = _schema_problem(json.dumps(params, sort_keys=True))
             if problem is not None:
-                raise bad_request(f"tools[{i}].function.parameters is not a valid JSON Schema: "
-                                  f"{problem}", "tools")  # fmt: skip
+                raise bad_request(
+                    f"tools[{i}].function.parameters is not a valid JSON Schema: {problem}", "tools"
+                )
         if fn["name"] in names:
             raise bad_request("tools declares a function name twice", "tools")
         names.append(fn["name"])
@@ -230,6 +242,9 @@ def tool_spec(body: dict[str, Any], answer: tuple[str, str] | None) -> ToolSpec 
     if not isinstance(parallel, bool):
         raise bad_request("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if answer is not None and answer[0] == "grammar" and choice == "auto":
-        raise bad_request("guided_grammar cannot be combined with tools under tool_choice "
-                          "auto: give tool_choice none, or no grammar", "guided_grammar")  # fmt: skip
+        raise bad_request(
+            "guided_grammar cannot be combined with tools under tool_choice "
+            "auto: give tool_choice none, or no grammar",
+            "guided_grammar",
+        )
     return ToolSpec(tools, choice, parallel, answer)

@@ -1,0 +1,179 @@
+"""The device process's own side, run as ``python -m streams.device_loop``: it builds the
+runner, then reads plans off one pipe between steps and writes results to the other, and
+stamps a heartbeat page from a thread of its own (see ``streams.process_device``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import queue
+import signal
+import struct
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+from streams.device import DeviceError, DeviceSpec
+from streams.plan import StepResult
+from streams.sim import PreciseClock
+from streams.wire import (
+    FAILED,
+    READY,
+    REPLAY,
+    RESULT,
+    SHUTDOWN,
+    STEP,
+    decode_plan,
+    encode_result,
+)
+
+HEARTBEAT_S = 0.2  # how often the device process stamps its heartbeat
+
+
+def _start_heartbeat(path: str) -> None:
+    """Stamp the heartbeat page from a thread: a process that is stopped, or wedged with the
+    GIL held, goes quiet, which a dead-process check alone cannot see."""
+    with open(path, "r+b") as f:
+        page = mmap.mmap(f.fileno(), 8)
+
+    def beat() -> None:
+        while True:
+            struct.pack_into("d", page, 0, time.monotonic())
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=beat, daemon=True, name="heartbeat").start()
+
+
+def _device_main(plan_recv: Connection, result_send: Connection, heartbeat: str) -> None:
+    # Ctrl-C, `timeout` and service managers signal the whole process group: the server
+    # drains on them and then shuts the device down itself (or the device sees its pipes
+    # close). Killed with it, the device would end every in-flight stream mid-drain.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    _start_heartbeat(heartbeat)
+    try:
+        spec: DeviceSpec = pickle.loads(plan_recv.recv_bytes())
+        if spec.threads:
+            import torch
+
+            torch.set_num_threads(spec.threads)
+        runner = spec.runner_factory()
+    except Exception:
+        result_send.send_bytes(FAILED + traceback.format_exc().encode())
+        return
+    result_send.send_bytes(READY + pickle.dumps(getattr(runner, "info", {})))
+    if hasattr(runner, "launch"):
+        _pipelined_loop(runner, plan_recv, result_send)
+        return
+
+    clock = PreciseClock()
+    modelled = getattr(runner, "modelled", False)
+    ahead: tuple[bytes, Any, float] | None = None  # a message read while a step ran
+    while True:
+        if ahead is not None:
+            (kind, payload, arrived_at), ahead = ahead, None
+        else:
+            try:
+                kind, payload, arrived_at = _read(plan_recv)
+            except (EOFError, OSError):  # the control plane went away: shut down
+                return
+        if kind == SHUTDOWN:
+            return
+        try:
+            if kind == STEP:
+                result = runner.run(payload, arrived_at) if modelled else runner.run(payload)
+                if result.device_end > time.monotonic():
+                    # A modelled step (the simulated device): like a GPU's host thread, take
+                    # the next plan in while the step "runs", then finish it on time.
+                    ahead = _read_ahead(plan_recv, clock, result.device_end)
+            elif kind == REPLAY:
+                result = runner.replay(payload)
+            else:
+                continue
+            result_send.send_bytes(RESULT + encode_result(result))
+        except (BrokenPipeError, OSError):
+            return
+
+
+def _pipelined_loop(runner: Any, plan_recv: Connection, result_send: Connection) -> None:
+    """A runner that launches without waiting (``launch(plan) -> pending``): this thread
+    reads plans and launches them; a completer thread waits for each step (``finish``, which
+    releases the GIL while it waits on the device) and sends results in launch order. The
+    runner's slots bound how far launching runs ahead."""
+    launched: queue.Queue[Any] = queue.Queue()
+
+    def complete() -> None:
+        while True:
+            pending = launched.get()
+            if pending is None:
+                return
+            try:
+                result = runner.finish(pending)
+            except DeviceError:
+                traceback.print_exc()
+                os._exit(70)  # the control plane sees the process gone and replaces it
+            except Exception as exc:
+                result = StepResult(pending.step_id, [], error=f"{type(exc).__name__}: {exc}")
+            try:
+                result_send.send_bytes(RESULT + encode_result(result))
+            except (BrokenPipeError, OSError):
+                os._exit(0)  # the control plane went away
+            finally:
+                launched.task_done()
+
+    completer = threading.Thread(target=complete, daemon=True, name="completer")
+    completer.start()
+    while True:
+        try:
+            kind, payload, _ = _read(plan_recv)
+        except (EOFError, OSError):
+            kind, payload = SHUTDOWN, None
+        if kind == SHUTDOWN:
+            launched.put(None)
+            completer.join(timeout=30)
+            return
+        if kind == STEP:
+            launched.put(runner.launch(payload))
+        elif kind == REPLAY:
+            launched.join()  # a replay runs on an idle device
+            launched.put(runner.replay(payload))
+
+
+def _read(plan_recv: Connection) -> tuple[bytes, Any, float]:
+    """One message: its kind, its decoded plan (a step) or plans (a replay), and when it
+    came in (before decoding it)."""
+    frame = plan_recv.recv_bytes()
+    arrived_at = time.monotonic()
+    kind = frame[:1]
+    if kind == STEP:
+        return kind, decode_plan(memoryview(frame)[1:]), arrived_at
+    if kind == REPLAY:
+        plans = [decode_plan(f) for f in pickle.loads(memoryview(frame)[1:])]
+        return kind, plans, arrived_at
+    return kind, None, arrived_at
+
+
+def _read_ahead(
+    plan_recv: Connection, clock: PreciseClock, deadline: float
+) -> tuple[bytes, Any, float] | None:
+    ahead = None
+    if plan_recv.poll(max(0.0, deadline - time.monotonic() - clock.margin_s)):
+        try:
+            ahead = _read(plan_recv)
+        except (EOFError, OSError):
+            ahead = (SHUTDOWN, None, time.monotonic())
+    clock.wait_until(deadline)
+    return ahead
+
+
+if __name__ == "__main__":
+    _device_main(
+        Connection(int(sys.argv[1]), writable=False),
+        Connection(int(sys.argv[2]), readable=False),
+        sys.argv[3],
+    )

@@ -1,0 +1,126 @@
+"""Pinned slots: a step's flat int64 arrays go to the device packed into one, and its sampled
+tokens and logprobs come back into it. The runner reuses a slot only after the step that
+used it was finished, so every staging area in it is safe to overwrite."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from streams.pipeline.devsync import DeviceSync
+from streams.plan import StepPlan
+from streams.rows import BatchLayout
+
+MAX_TOP = 20  # top logprobs a row may ask for (sampler.params.MAX_LOGPROBS)
+# The flat int64 arrays of one step, packed back to back into one pinned slot.
+SECTIONS = (
+    "input_ids",
+    "token_rows",
+    "positions",
+    "kv_slots",
+    "rows",
+    "context_lens",
+    "q_starts",
+    "q_lens",
+    "logits_indices",
+    "sampled_rows",
+    "delta_rows",
+    "delta_cols",
+    "delta_blocks",
+)
+
+
+def step_sections(
+    plan: StepPlan, layout: BatchLayout, sampled_rows: np.ndarray, delta: tuple[np.ndarray, ...]
+) -> dict[str, np.ndarray]:
+    """A step's flat arrays by section: the plan's, its layout's and its block-table change."""
+    return {
+        "input_ids": plan.input_ids,
+        "token_rows": layout.token_rows,
+        "positions": layout.positions,
+        "kv_slots": layout.kv_slots,
+        "rows": plan.rows,
+        "context_lens": layout.context_lens,
+        "q_starts": np.cumsum(plan.query_lens) - plan.query_lens,
+        "q_lens": plan.query_lens,
+        "logits_indices": (np.cumsum(plan.query_lens) - 1)[plan.sample],
+        "sampled_rows": sampled_rows,
+        "delta_rows": delta[0],
+        "delta_cols": delta[1],
+        "delta_blocks": delta[2],
+    }
+
+
+@dataclass(slots=True)
+class Slot:
+    """Buffers of one step in flight; grown (never shrunk) while the slot is free."""
+
+    host_in: torch.Tensor  # pinned int64: the packed sections
+    dev_in: torch.Tensor  # the device's copy of it
+    tokens: torch.Tensor  # pinned int64 [S]
+    logprobs: torch.Tensor  # pinned float32 [S]
+    top_ids: torch.Tensor  # pinned int64 [S * MAX_TOP]
+    top_values: torch.Tensor  # pinned float32 [S * MAX_TOP]
+
+    def pack(self, sections: dict[str, np.ndarray]) -> dict[str, tuple[int, int]]:
+        """Write the sections back to back into the pinned input; where each one lies."""
+        packed = self.host_in.numpy()
+        offsets, at = {}, 0
+        for name in SECTIONS:
+            values = sections[name]
+            packed[at : at + len(values)] = values
+            offsets[name] = (at, at + len(values))
+            at += len(values)
+        return offsets
+
+    def top_lists(
+        self, count: int, top: int, wanted: list[int | None]
+    ) -> list[list[tuple[int, float]]]:
+        """Each sampled row's top logprobs, trimmed to the number it asked for."""
+        ids = self.top_ids[: count * top].view(count, top).tolist() if top else []
+        values = self.top_values[: count * top].view(count, top).tolist() if top else []
+        return [
+            list(zip(ids[i][:n], values[i][:n], strict=True)) if n else []
+            for i, n in enumerate(wanted)
+        ]
+
+
+@dataclass(slots=True)
+class Pending:
+    """A launched step: what ``finish`` needs to turn it into a StepResult."""
+
+    step_id: int
+    slot: Slot
+    num_sampled: int
+    top: int  # top logprobs copied per row
+    wanted: list[int | None]  # each sampled row's own logprobs setting
+    has_logprobs: bool
+    start: Any  # events: compute began the step, sampling ended, tokens reached the host
+    end: Any
+    copied: Any
+    keep: tuple  # device tensors the D2H copy reads: alive until it is done
+
+
+def new_slot(sync: DeviceSync, device: torch.device, ints: int, sampled: int) -> Slot:
+    """A slot for ``ints`` packed int64s and ``sampled`` sampled rows."""
+    pin = sync.pinned
+    return Slot(
+        host_in=pin(ints, torch.int64),
+        dev_in=torch.zeros(ints, dtype=torch.int64, device=device),
+        tokens=pin(sampled, torch.int64),
+        logprobs=pin(sampled, torch.float32),
+        top_ids=pin(sampled * MAX_TOP, torch.int64),
+        top_values=pin(sampled * MAX_TOP, torch.float32),
+    )
+
+
+def fit_slot(sync: DeviceSync, device: torch.device, slot: Slot, ints: int, sampled: int) -> Slot:
+    """The slot, regrown when this step's arrays outgrow it (doubling: rare)."""
+    if ints <= slot.host_in.numel() and sampled <= slot.tokens.numel():
+        return slot
+    return new_slot(
+        sync, device, max(ints, 2 * slot.host_in.numel()), max(sampled, 2 * slot.tokens.numel())
+    )

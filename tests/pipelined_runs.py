@@ -1,0 +1,84 @@
+"""What the pipelined-runner tests share: the tiny model they run, the synchronous reference
+runner and the pipelined one on it, and the walk that drives both and compares their results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from plan_walk import PlanWalk
+from tiny_models import make_tiny_llama
+
+from async_engine.model import LlamaModel
+from async_engine.model.loader import build_model
+from sampler.params import SamplingParams
+from streams.pipeline.runner import SLOTS, PipelinedRunner
+from streams.runner import ModelRunner
+
+BLOCK = 4
+NUM_BLOCKS = 96
+MAX_BLOCKS = 48
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=None),
+    SamplingParams(temperature=0, max_tokens=None, logprobs=3),
+    SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=None),
+    SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=None, logprobs=0),
+    SamplingParams(temperature=0, presence_penalty=0.5, repetition_penalty=1.3, max_tokens=None),
+]
+
+
+def make_tiny_model(folder: Path) -> str:
+    """The tiny random Llama the tests run (vocabulary 160), written to ``folder``."""
+    make_tiny_llama(folder, vocab=160, num_layers=2, hidden=64, heads=4, kv_heads=2)
+    return str(folder)
+
+
+def seeded_model(folder: str) -> LlamaModel:
+    torch.manual_seed(0)
+    return build_model(folder, "float32")
+
+
+def reference_runner(folder: str) -> ModelRunner:
+    return ModelRunner(seeded_model(folder), NUM_BLOCKS, BLOCK, MAX_BLOCKS)
+
+
+def pipelined_runner(folder: str, **options) -> PipelinedRunner:
+    return PipelinedRunner(seeded_model(folder), NUM_BLOCKS, BLOCK, MAX_BLOCKS, **options)
+
+
+def walk_both(folder: str, seed: int, steps: int, **options) -> tuple[list, list]:
+    walk = PlanWalk(seed, 160, BLOCK, NUM_BLOCKS, PARAMS)
+    return walk_two_deep(walk, reference_runner(folder), pipelined_runner(folder, **options), steps)
+
+
+def walk_two_deep(
+    walk: PlanWalk, reference: ModelRunner, runner: PipelinedRunner, steps: int
+) -> tuple[list, list]:
+    """Drive the reference synchronously and the pipelined runner two steps deep."""
+    expected, got, in_flight = [], [], []
+    for _ in range(steps):
+        plan = walk.plan()
+        result = reference.run(plan)
+        assert result.error is None, result.error
+        walk.record(plan, np.asarray(result.tokens))
+        expected.append(result)
+        if len(in_flight) == SLOTS:
+            got.append(runner.finish(in_flight.pop(0)))
+        in_flight.append(runner.launch(plan))
+    got += [runner.finish(p) for p in in_flight]
+    return expected, got
+
+
+def assert_same_results(expected: list, got: list) -> None:
+    assert [r.step_id for r in got] == [r.step_id for r in expected]
+    for want, have in zip(expected, got, strict=True):
+        assert have.error is None, have.error
+        assert np.asarray(have.tokens).tolist() == np.asarray(want.tokens).tolist(), want.step_id
+        if want.logprobs is None:
+            assert have.logprobs is None
+        else:
+            np.testing.assert_allclose(have.logprobs, want.logprobs, atol=1e-4)
+            assert [[t for t, _ in row] for row in have.top_logprobs] == [
+                [t for t, _ in row] for row in want.top_logprobs
+            ]
