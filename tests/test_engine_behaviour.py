@@ -115,7 +115,7 @@ def _settled(llm):
     # The last launched step may still hold blocks for a moment after the final token.
     async def settle():
         engine = llm.engine
-        while engine.scheduler.completed_step_id < engine.scheduler.next_step_id - 1:
+        while engine.scheduler.ledger.completed_step_id < engine.scheduler.next_step_id - 1:
             await asyncio.sleep(0.005)
         return engine.stats()
 
@@ -190,7 +190,7 @@ async def test_abort_ends_the_stream_and_frees_blocks_within_one_step(tiny_model
             if delta.finished:
                 reasons.append(delta.finish_reason)
         assert reasons == [FinishReason.ABORTED]
-        while engine.scheduler.completed_step_id < aborted_at:
+        while engine.scheduler.ledger.completed_step_id < aborted_at:
             await asyncio.sleep(0.002)
         # Blocks are back once the step in flight at the abort has completed.
         assert engine.pool.num_free == engine.pool.num_blocks

@@ -167,9 +167,9 @@ def test_preemption_takes_from_the_tenant_furthest_over_its_share():
     light = submit(sched, "light", prompt=4, out=60)
     for _ in range(40):
         step(sched)
-        if sched.num_preemptions:
+        if sched.preemption.count:
             break
-    assert sched.num_preemptions
+    assert sched.preemption.count
     assert light.num_preemptions == 0 and sum(r.num_preemptions for r in hog) >= 1
 
 

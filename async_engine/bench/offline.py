@@ -29,8 +29,11 @@ class PlanRecorder:
     def __init__(self, inner: StepObserver | None = None) -> None:
         self.inner = inner
         self.plans: list[StepPlan] = []
+        self.control_s: dict[int, float] = {}  # per step: schedule, launch, apply, stream
 
     def on_phase(self, name: str, step_id: int, start: float, end: float) -> None:
+        if name != "wait":
+            self.control_s[step_id] = self.control_s.get(step_id, 0.0) + end - start
         if self.inner is not None:
             self.inner.on_phase(name, step_id, start, end)
 
@@ -43,6 +46,17 @@ class PlanRecorder:
 def decode_steps(plans: list[Any]) -> set[int]:
     """Steps where every request decodes one token: the "steady decode" of the reports."""
     return {p.step_id for p in plans if len(p.query_lens) and p.query_lens.max() == 1}
+
+
+def decode_control_ms(plans: list[Any], control_s: dict[int, float]) -> float:
+    """The control plane's mean ms per decode step (its own schedule, launch, apply and
+    stream), at the run's largest decode batch."""
+    decode = [p for p in plans if len(p.query_lens) and p.query_lens.max() == 1]
+    if not decode:
+        return float("nan")
+    batch = max(p.batch_size for p in decode)
+    times = [control_s.get(p.step_id, 0.0) for p in decode if p.batch_size == batch]
+    return 1e3 * sum(times) / len(times)
 
 
 def full_batch_decode_ms(plans: list[Any], spans: Any) -> tuple[float, int]:
@@ -85,6 +99,7 @@ def run_engine(
             "idle_fraction": engine.timeline.idle_fraction(),
             "steady_decode_idle": engine.timeline.idle_fraction(only=decode_steps(plans)),
             "wasted_tokens": engine.scheduler.wasted_tokens,
+            "decode_control_ms": decode_control_ms(plans, recorder.control_s),
             "full_decode": full_batch_decode_ms(plans, engine.timeline.spans),
             # Control-plane time per step, by phase ("wait" is time blocked on the device).
             "phase_ms_per_step": {
@@ -139,6 +154,7 @@ def compare_modes(
         "on_steady_decode_idle": _mean(on, "steady_decode_idle"),
         "off_steady_decode_idle": _mean(off, "steady_decode_idle"),
         "on_wasted_tokens": on[0]["wasted_tokens"],
+        "on_decode_control_ms": _mean(on, "decode_control_ms"),
         "full_decode_ms": on[0]["full_decode"][0],
         "full_decode_batch": on[0]["full_decode"][1],
         "on_idle": _mean(on, "idle_fraction"),

@@ -49,6 +49,7 @@ def print_table(
         for phase in ("schedule", "launch", "wait", "apply", "stream"):
             values = [r[f"{mode}_phase_ms"].get(phase, 0.0) for r in get]
             row(f"  {phase} ms/step, {mode}", ".3f", values)
+    row("control ms/decode step, on", ".3f", [r["on_decode_control_ms"] for r in get])
     row("wasted tokens, on", "d", [r["on_wasted_tokens"] for r in get])
     if all("structured_tokens_per_s" in r for r in get):
         row("tokens/s, structured output", ".1f", [r["structured_tokens_per_s"] for r in get])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from async_engine.core.kv_manager import KVCacheManager
+from async_engine.core.ledger import ReleaseLedger
 from async_engine.core.policy import Policy
 from async_engine.core.request import FinishReason, Request, RequestStatus
 
@@ -15,14 +15,18 @@ def settle_device_loss(
     requests: list[Request],
     running: list[Request],
     policy: Policy,
-    kv: KVCacheManager,
+    ledger: ReleaseLedger,
+    last_step_id: int,
     finish: Callable[[Request, FinishReason], None],
     can_requeue: Callable[[Request], bool],
     reason: FinishReason,
 ) -> tuple[list[Request], list[Request]]:
-    """Of ``requests``, one the device had touched goes back to waiting where
+    """Every launched step (to ``last_step_id``) counts as completed and every block and
+    row returns: of ``requests``, one the device had touched goes back to waiting where
     ``can_requeue`` allows, and otherwise ends with ``reason`` (``finish``). Waiting
     requests never admitted are untouched. Returns (ended, started over)."""
+    ledger.step_completed(last_step_id)
+    kv = ledger.kv
     ended: list[Request] = []
     again: list[Request] = []
     for req in requests:
@@ -41,6 +45,8 @@ def settle_device_loss(
         else:
             finish(req, reason)
             ended.append(req)
+    ledger.reset_rows()
+    kv.pool.reset_prefix_cache()  # the cached KV lived on the lost device
     return ended, again
 
 

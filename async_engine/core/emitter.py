@@ -65,11 +65,11 @@ class Emitter:
         self.scheduler.finish(req, reason)
         self.emit(req)
 
-    def emit_step(self, touched: list[Request], now: float) -> None:
-        """Wake the readers of a step's requests: the ended ones always, the others on
-        every step or when the pacer says it is their time."""
+    def emit_step(self, touched: list[Request], ended: list[Request], now: float) -> None:
+        """Wake the readers of a step's requests (``touched``, of which ``ended`` ended):
+        the ended ones always, the others on every step or when the pacer says so."""
         if not self.num_streaming:  # only whole results are wanted: emit just the ended
-            touched = [req for req in touched if req.finished]
+            touched = ended
         processors, pacer = self.processors, self.pacer
         for req in touched:
             processor = processors.get(req.request_id)

@@ -154,7 +154,7 @@ class StepLoop:
                 plan, result.tokens, result.logprobs, result.top_logprobs
             )
         applied = time.monotonic()
-        self.emitter.emit_step(touched, applied)
+        self.emitter.emit_step(touched, self.scheduler.take_ended(), applied)
         self._phase("apply", plan.step_id, start, applied)
         self._phase("stream", plan.step_id, applied, time.monotonic())
 

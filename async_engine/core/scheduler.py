@@ -51,6 +51,7 @@ class Scheduler:
         self._make_room = self.preemption.make_room
         self.next_step_id = 0
         self.wasted_tokens = 0
+        self._ended: list[Request] = []  # since take_ended
         # Every token of a step costs the device about the same (a CPU), unlike a GPU that
         # reads the weights once for a whole batch: the engine sets it from its step clock.
         self.compute_bound = False
@@ -70,14 +71,6 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
-
-    @property
-    def num_preemptions(self) -> int:
-        return self.preemption.count
-
-    @property
-    def completed_step_id(self) -> int:
-        return self.ledger.completed_step_id
 
     def tenant_depths(self, limit: int = 64) -> list[tuple[str, int, int]]:
         """(tenant, waiting, running) of tenants with work, most waiting first."""
@@ -100,8 +93,7 @@ class Scheduler:
         return plan
 
     def sync_requests(self) -> None:
-        """Bring every running request's counters up to date (a steady run keeps some in
-        arrays): call before reading them from outside the scheduler."""
+        """Write back the counters a steady run keeps in arrays (before reading them)."""
         self.steady.stop()
 
     def _schedule(self) -> StepPlan | None:
@@ -116,11 +108,11 @@ class Scheduler:
             )
         chosen: list[tuple[Request, int]] = []
         new_rows: list[NewRow] = []
-        preemptions_before = self.num_preemptions
+        preemptions_before = self.preemption.count
         budget, chunks = self._decodes(list(running), chosen, shape.budget, preempt=True)
         # A request the policy puts in first-token steps goes before the prompt chunks here
         # too: one that arrived while a first-token step ran does not wait for the next.
-        if chunks and self.num_preemptions == preemptions_before:
+        if chunks and self.preemption.count == preemptions_before:
             budget = self._admit(chosen, new_rows, budget, shape, first_tokens=True)
         bs, charge = self.config.block_size, self.policy.charges_service
         for req in chunks:
@@ -138,7 +130,7 @@ class Scheduler:
                 self.policy.charge_prompt(req, n)
             budget -= n
         # Admit nothing in a step that had to preempt: the pool is short already.
-        if self.num_preemptions == preemptions_before:
+        if self.preemption.count == preemptions_before:
             self._admit(chosen, new_rows, budget, shape, first_tokens=False)
         # A victim may have been chosen before it was preempted (when every request was).
         chosen = [(r, n) for r, n in chosen if r.status is RequestStatus.RUNNING]
@@ -240,24 +232,27 @@ class Scheduler:
         logprobs: list[float] | None = None,
         top_logprobs: list[list[tuple[int, float]]] | None = None,
     ) -> list[Request]:
-        """Apply one step's sampled tokens (``core/step_results.py``); returns the requests
-        that got a token."""
+        """Apply one step's sampled tokens; returns the requests that got a token."""
         self.ledger.step_completed(plan.step_id)
+        self._ended = []
         register, max_len = self.pool.enable_prefix_cache, self.config.max_model_len
         if logprobs is None and self.steady.owns(plan):  # core/steady.py
-            return self.steady.apply(plan, np.asarray(tokens), max_len, self.finish)
-        touched, wasted = apply_step(
-            plan, tokens, logprobs, top_logprobs, self.kv, register, max_len, self.finish
-        )
+            touched, wasted = self.steady.apply(plan, np.asarray(tokens), max_len, self.finish)
+        else:
+            self.steady.sync()  # a step launched before a run: its counters first
+            touched, wasted = apply_step(
+                plan, tokens, logprobs, top_logprobs, self.kv, register, max_len, self.finish
+            )
+            if self.policy.charges_service:
+                self.policy.charge_output(touched)
         self.wasted_tokens += wasted
-        if self.policy.charges_service:
-            self.policy.charge_output(touched)
         return touched
 
     def fail_step(self, plan: StepPlan) -> list[Request]:
         """A step raised on the device: only the requests it carried fail."""
         self.steady.stop()
         self.ledger.step_completed(plan.step_id)
+        self._ended = []
         failed = [req for req in plan.requests if not req.finished]
         for req in failed:
             self.finish(req, FinishReason.ERROR)
@@ -271,14 +266,10 @@ class Scheduler:
         """The device and all it held are gone: its requests start over (``can_requeue``)
         or end with ``reason`` (``core/device_loss.py``). Returns (ended, started over)."""
         self.steady.stop()
-        self.ledger.step_completed(self.next_step_id - 1)
-        requests = list(self.requests.values())
-        ended, again = settle_device_loss(
-            requests, self.running, self.policy, self.kv, self.finish, can_requeue, reason
+        requests, last = list(self.requests.values()), self.next_step_id - 1
+        return settle_device_loss(
+            requests, self.running, self.policy, self.ledger, last, self.finish, can_requeue, reason
         )
-        self.ledger.reset_rows()
-        self.pool.reset_prefix_cache()  # the cached KV lived on the lost device
-        return ended, again
 
     def finish(
         self, req: Request, reason: FinishReason, stop_reason: int | str | None = None
@@ -287,7 +278,8 @@ class Scheduler:
         if req.finished:
             return
         if req.status is RequestStatus.RUNNING:
-            self.steady.stop()
+            if self.steady.active:
+                self.steady.leave(req)
             self.running.remove(req)
             self.policy.left_running(req)
         else:
@@ -297,3 +289,9 @@ class Scheduler:
         req.stop_reason = stop_reason
         req.finished_time = time.monotonic()
         self.ledger.free_after_launch(req)
+        self._ended.append(req)
+
+    def take_ended(self) -> list[Request]:
+        """The requests that ended since the last call (the emitter's whole-result readers)."""
+        ended, self._ended = self._ended, []
+        return ended

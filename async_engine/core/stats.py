@@ -54,7 +54,7 @@ class EngineStats:
             device_busy_seconds=timeline.busy_seconds,
             device_idle_seconds=timeline.idle_seconds,
             steps=timeline.steps,
-            num_preemptions=sched.num_preemptions,
+            num_preemptions=sched.preemption.count,
             wasted_tokens=sched.wasted_tokens,
             prefix_cache_queries=pool.prefix_queries,
             prefix_cache_hits=pool.prefix_hits,
