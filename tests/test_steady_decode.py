@@ -129,3 +129,24 @@ def test_steady_runs_happen_in_these_workloads():
             sched.update_from_output(done, np.full(int(done.sample.sum()), 50, np.int64))
     assert any(starts) and steady_plans >= 20
     assert all(len(r.output_ids) == 30 for r in sched.running) and sched.pool.num_used == 0
+
+
+def test_a_run_goes_on_beside_prompts_and_admissions():
+    sched = make_scheduler("fair", 2000, steady=True, prefix_cache=True)
+    beside = 0
+    inflight = []
+    for step in range(200):
+        if step < 40 and step % 2 == 0:
+            params = SamplingParams(max_tokens=60, ignore_eos=True)
+            prompt = [11, 12, 13, 14, 15, 16, 17, step + 20]
+            sched.add_request(Request(f"r{step}", prompt, params, max_model_len=256))
+        plan = sched.schedule()
+        if plan is not None:
+            inflight.append(plan)
+            if sched.steady.owns(plan) and (plan.new_rows or plan.query_lens.max() > 1):
+                beside += 1
+        if len(inflight) == 2 or (plan is None and inflight):
+            done = inflight.pop(0)
+            sched.update_from_output(done, np.full(int(done.sample.sum()), 50, np.int64))
+    assert beside >= 5, "runs carried prompts and admissions beside their rows"
+    assert sched.pool.num_used == 0 and not sched.has_work()

@@ -21,10 +21,11 @@ import numpy as np
 from async_engine.core.device_loss import settle_device_loss
 from async_engine.core.kv_manager import KVCacheManager
 from async_engine.core.ledger import ReleaseLedger
-from async_engine.core.plan_builder import build_plan, new_row
+from async_engine.core.plan_builder import build_plan
 from async_engine.core.policy import Policy, StepShape
 from async_engine.core.preemption import Preemption
 from async_engine.core.request import FinishReason, Request, RequestStatus
+from async_engine.core.row_chooser import RowChooser
 from async_engine.core.steady import SteadyDecode
 from async_engine.core.step_results import apply_step
 from blockalloc import BlockPool
@@ -49,6 +50,9 @@ class Scheduler:
         self.steady = SteadyDecode(self.kv, pool.enable_prefix_cache, policy)
         self.preemption = Preemption(self.running, policy, self.kv, self.ledger)
         self._make_room = self.preemption.make_room
+        self.rows = RowChooser(
+            config.block_size, policy, self.kv, self.running, self.ledger, self._make_room
+        )
         self.next_step_id = 0
         self.wasted_tokens = 0
         self._ended: list[Request] = []  # since take_ended
@@ -81,20 +85,44 @@ class Scheduler:
 
     def schedule(self) -> StepPlan | None:
         steady = self.steady
-        if steady.active and not self.policy.num_waiting:
-            plan = steady.plan(self.next_step_id, self.ledger.take_released_rows)
+        if steady.active:
+            plan = self._run_step()
             if plan is not None:
                 self.next_step_id += 1
                 return plan
         steady.stop()
         plan = self._schedule()
         if plan is not None:
-            steady.try_start(plan, self.running, not self.policy.num_waiting)
+            steady.try_start(plan, self.running)
         return plan
 
     def sync_requests(self) -> None:
         """Write back the counters a steady run keeps in arrays (before reading them)."""
         self.steady.stop()
+
+    def _run_step(self) -> StepPlan | None:
+        """A step of the steady run (``core/steady.py``): its rows over arrays, the other
+        running requests and admissions beside them in full; None: plan in full."""
+        steady, step_id, running = self.steady, self.next_step_id, self.running
+        if not self.policy.num_waiting and len(running) == steady.size:
+            return steady.plan(step_id, self.ledger.take_released_rows)
+        policy = self.policy
+        shape = policy.step_shape(step_id, running, self.compute_bound)
+        if shape.first_tokens:  # a first-token step, if anyone is behind, is planned in full
+            if len(running) < shape.max_running and policy.next_waiting(len(running), True):
+                return None
+            shape = policy.step_shape(step_id, running, self.compute_bound, False)
+        # Blocks enough that nothing is preempted: a victim may be a row of the run.
+        if self.pool.num_free < shape.budget // self.config.block_size + shape.max_running + 2:
+            return None
+        part = steady.advance(step_id, shape.budget)
+        if part is None:
+            return None
+        if self.policy.num_waiting:
+            steady.register_filled()  # an admission looks its prefix up
+        chosen, new_rows = self._plan_beside(steady.others(running), shape, len(part.starts))
+        rest = build_plan(step_id, chosen, new_rows, []) if chosen else None
+        return steady.assemble(step_id, part, rest, self.ledger.take_released_rows())
 
     def _schedule(self) -> StepPlan | None:
         step_id, running = self.next_step_id, self.running
@@ -106,14 +134,24 @@ class Scheduler:
             shape = self.policy.step_shape(
                 step_id, running, self.compute_bound, allow_first_tokens=False
             )
+        chosen, new_rows = self._plan_beside(list(running), shape, 0)
+        if not chosen:
+            return None  # released rows ride along with the next real plan
+        return self._plan(chosen, new_rows)
+
+    def _plan_beside(
+        self, reqs: list[Request], shape: StepShape, run_rows: int
+    ) -> tuple[list[tuple[Request, int]], list[NewRow]]:
+        """Plan ``reqs`` (running) and admissions in the budget left beside ``run_rows``
+        decodes of a steady run; only a step without one may preempt."""
         chosen: list[tuple[Request, int]] = []
         new_rows: list[NewRow] = []
-        preemptions_before = self.preemption.count
-        budget, chunks = self._decodes(list(running), chosen, shape.budget, preempt=True)
+        preemptions_before, preempt = self.preemption.count, run_rows == 0
+        budget, chunks = self.rows.decodes(reqs, chosen, shape.budget - run_rows, preempt)
         # A request the policy puts in first-token steps goes before the prompt chunks here
         # too: one that arrived while a first-token step ran does not wait for the next.
         if chunks and self.preemption.count == preemptions_before:
-            budget = self._admit(chosen, new_rows, budget, shape, first_tokens=True)
+            budget = self.rows.admit(chosen, new_rows, budget, shape, first_tokens=True)
         bs, charge = self.config.block_size, self.policy.charges_service
         for req in chunks:
             if budget == 0:
@@ -123,102 +161,32 @@ class Scheduler:
             computed = req.num_computed_tokens
             n = min(req.num_tokens + req.num_inflight - computed, budget)
             if (computed + n + bs - 1) // bs > len(req.block_ids):
-                if not (self.kv.allocate_slots(req, n) or self._make_room(req, n, chosen)):
-                    continue
+                if not self.kv.allocate_slots(req, n):
+                    if not preempt or not self._make_room(req, n, chosen):
+                        continue
             chosen.append((req, n))
             if charge:
                 self.policy.charge_prompt(req, n)
             budget -= n
         # Admit nothing in a step that had to preempt: the pool is short already.
         if self.preemption.count == preemptions_before:
-            self._admit(chosen, new_rows, budget, shape, first_tokens=False)
+            self.rows.admit(chosen, new_rows, budget, shape, first_tokens=False)
         # A victim may have been chosen before it was preempted (when every request was).
-        chosen = [(r, n) for r, n in chosen if r.status is RequestStatus.RUNNING]
-        if not chosen:
-            return None  # released rows ride along with the next real plan
-        return self._plan(chosen, new_rows)
+        return [(r, n) for r, n in chosen if r.status is RequestStatus.RUNNING], new_rows
 
     def _first_token_step(self, shape: StepShape) -> StepPlan | None:
         """The policy's first-token step: the requests it names, and no running prompt's
         chunk; the running decodes ride along where the shape says so."""
         chosen: list[tuple[Request, int]] = []
         new_rows: list[NewRow] = []
-        budget = self._admit(chosen, new_rows, shape.budget, shape, first_tokens=True)
+        budget = self.rows.admit(chosen, new_rows, shape.budget, shape, first_tokens=True)
         if not chosen:
             return None
         self.policy.first_token_step_planned(self.next_step_id)
         if shape.decodes_ride:
             others = self.running[: len(self.running) - len(chosen)]  # not those admitted
-            self._decodes(others, chosen, budget, preempt=False)
+            self.rows.decodes(others, chosen, budget, preempt=False)
         return self._plan(chosen, new_rows)
-
-    def _decodes(
-        self, reqs: list[Request], chosen: list[tuple[Request, int]], budget: int, preempt: bool
-    ) -> tuple[int, list[Request]]:
-        """Plan one token for each of ``reqs`` with one to feed, while the budget lasts;
-        one short of blocks preempts another (``preempt``) or waits. Returns the budget
-        left and the requests with more than one token to feed (prompt chunks).
-
-        The hot loop: every running request, every step. Kept to plain arithmetic."""
-        bs, running = self.config.block_size, RequestStatus.RUNNING
-        choose, charge, chunks = chosen.append, self.policy.charges_service, []
-        for req in reqs:
-            if budget == 0:
-                break
-            if req.status is not running:
-                continue  # preempted earlier in this loop
-            pending = req.num_tokens + req.num_inflight
-            if pending >= req.token_limit:
-                continue  # its last token is in flight: it ends when that is applied
-            computed = req.num_computed_tokens
-            n = pending - computed
-            if n != 1:
-                if n > 1:
-                    chunks.append(req)
-                continue
-            if (computed + bs) // bs > len(req.block_ids) and not self.kv.allocate_slots(req, 1):
-                if not preempt or not self._make_room(req, 1, chosen):
-                    continue
-            choose((req, 1))
-            if charge and computed < len(req.prompt_ids):
-                self.policy.charge_prompt(req, 1)  # a prompt's last token, left by a chunk
-            budget -= 1
-        return budget, chunks
-
-    def _admit(
-        self,
-        chosen: list[tuple[Request, int]],
-        new_rows: list[NewRow],
-        budget: int,
-        shape: StepShape,
-        first_tokens: bool,
-    ) -> int:
-        """Move waiting requests into the running set, in the policy's order, while budget,
-        slots (``shape.max_running``) and blocks allow; returns the budget left."""
-        policy, running = self.policy, self.running
-        while budget > 0 and len(running) < shape.max_running:
-            req = policy.next_waiting(len(running), first_tokens)
-            if req is None:
-                break
-            if req.num_computed_tokens == 0 and not req.block_ids:
-                self.kv.lookup_prefix(req)
-            pending = req.num_tokens + req.num_inflight
-            n = 0 if pending >= req.token_limit else min(pending - req.num_computed_tokens, budget)
-            if n == 0 or not self.kv.allocate_slots(req, n):
-                self.kv.release(req)  # give back prefix-cache hits; retry next step
-                req.num_computed_tokens = 0
-                break
-            policy.admitted(req, n)
-            req.status = RequestStatus.RUNNING
-            if req.scheduled_time is None:
-                req.scheduled_time = time.monotonic()
-            if req.row is None:
-                req.row = self.ledger.take_row()
-                new_rows.append(new_row(req))
-            running.append(req)
-            chosen.append((req, n))
-            budget -= n
-        return budget
 
     def _plan(self, chosen: list[tuple[Request, int]], new_rows: list[NewRow]) -> StepPlan:
         step_id = self.next_step_id
@@ -236,8 +204,27 @@ class Scheduler:
         self.ledger.step_completed(plan.step_id)
         self._ended = []
         register, max_len = self.pool.enable_prefix_cache, self.config.max_model_len
-        if logprobs is None and self.steady.owns(plan):  # core/steady.py
-            touched, wasted = self.steady.apply(plan, np.asarray(tokens), max_len, self.finish)
+        if self.steady.owns(plan):  # core/steady.py: its rows first, then the rest in full
+            tokens = np.asarray(tokens)
+            touched, wasted, rest = self.steady.apply(plan, tokens, max_len, self.finish)
+            if rest is not None:
+                k = len(touched) + wasted  # the run's rows, each sampled
+                if logprobs is not None:
+                    logprobs = logprobs[k:]
+                    top_logprobs = top_logprobs[k:] if top_logprobs is not None else None
+                more, lost = apply_step(
+                    rest,
+                    tokens[k:],
+                    logprobs,
+                    top_logprobs,
+                    self.kv,
+                    register,
+                    max_len,
+                    self.finish,
+                )
+                if self.policy.charges_service:
+                    self.policy.charge_output(more)
+                touched, wasted = touched + more, wasted + lost
         else:
             self.steady.sync()  # a step launched before a run: its counters first
             touched, wasted = apply_step(

@@ -8,11 +8,15 @@ each row's computed-token count lives in an array, the next plan is the last one
 by a token, and a step's tokens are appended to the requests' output lists in one pass of
 C-level iteration. Only the rows that change go through Python: one that needs a new KV
 block, one whose token may end it, one that leaves. The blocks a run's decodes fill are
-offered to the prefix cache when their row leaves or the run stops, not as each fills:
-nobody can look them up meanwhile (a run admits nobody), and hashing a block a step per
-16 rows was most of a step's work at batch 256. A row leaves the run when its request ends, or once its last token is in
-flight (it is planned no more; its last token is applied as the others' are). An arrival
-ends the run (admission is the full scheduler's job), as does a preemption.
+offered to the prefix cache when their row leaves, the run stops or a request is about
+to be admitted (its prefix looked up), not as each fills: hashing a block a step per 16
+rows was most of a step's work at batch 256. A row leaves the run when its request ends,
+or once its last token is in flight (it is planned no more; its last token is applied as
+the others' are). Beside a run, the scheduler plans the other running requests (prompts
+being computed) and admissions in full, in the same step (``assemble``); a request whose
+prompt is done joins the run. The run stays the first rows of each plan, in the order the
+full scheduler would give them. A preemption, a first-token step, or a step whose blocks
+may run short ends the run.
 
 While a row is in a run, four of its request's fields are not kept up to date:
 ``num_computed_tokens``, ``num_inflight``, ``num_tokens`` and ``last_launched_step``.
@@ -29,7 +33,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from itertools import compress, repeat
 
 import numpy as np
@@ -37,6 +40,7 @@ import numpy as np
 from async_engine.core.kv_manager import KVCacheManager
 from async_engine.core.policy import Policy
 from async_engine.core.request import FinishReason, Request, RequestStatus
+from async_engine.core.steady_batch import Batch, RunPart, joinable, merge_plans
 from async_engine.core.step_results import check_stop
 from streams.plan import PLACEHOLDER, StepPlan
 
@@ -44,29 +48,9 @@ _EMPTY32 = np.zeros(0, np.int32)
 Finish = Callable[[Request, FinishReason, int | None], None]
 
 
-@dataclass(slots=True)
-class Batch:
-    """The run's rows at one time, in plan order; a row leaving makes a new one (plans in
-    flight keep theirs)."""
-
-    reqs: list[Request]
-    outputs: list[list[int]]
-    token_times: list[list[float]]
-    limit: np.ndarray  # token_limit per row
-    charge: Callable[[], None] | None  # the policy's output charge for these rows
-
-    def keep(self, mask: np.ndarray, charge: Callable[[], None] | None) -> Batch:
-        flags = mask.tolist()
-        return Batch(
-            list(compress(self.reqs, flags)),
-            list(compress(self.outputs, flags)),
-            list(compress(self.token_times, flags)),
-            self.limit[mask],
-            charge,
-        )
-
-
 class SteadyDecode:
+    MIN_ROWS = 4  # a run of fewer rows saves less than planning beside it costs
+
     def __init__(self, kv: KVCacheManager, register_blocks: bool, policy: Policy) -> None:
         self.kv = kv
         self.policy = policy
@@ -79,44 +63,39 @@ class SteadyDecode:
     def reqs(self) -> list[Request]:
         return self.batch.reqs
 
+    @property
+    def size(self) -> int:
+        """Rows in the run now."""
+        return len(self._index)
+
+    def others(self, running: list[Request]) -> list[Request]:
+        """The running requests outside the run, in running order."""
+        index = self._index
+        return [req for req in running if req not in index]
+
     # ------------------------------------------------------------ start, stop
-    def try_start(self, plan: StepPlan, running: list[Request], no_waiting: bool) -> None:
-        """Start a run after ``plan`` if it is steady: every running request, one token
-        each, prompts done, nothing joining or starting over, no logprobs asked."""
-        reqs = plan.requests
-        if (
-            self.active
-            or not no_waiting
-            or len(reqs) != len(running)
-            or plan.num_tokens != len(reqs)
-            or plan.new_rows
-            or len(plan.reset_rows)
-            or not plan.sample.all()
-        ):
+    def try_start(self, plan: StepPlan, running: list[Request]) -> None:
+        """Start a run after ``plan`` with its leading rows that are the first running
+        requests, each decoding one token past its prompt with no logprobs asked."""
+        if self.active or len(plan.reset_rows):
             return
-        n = len(reqs)
-        computed = plan.starts.astype(np.int64) + 1
-        if (computed <= np.fromiter(map(len, (r.prompt_ids for r in reqs)), np.int64, n)).any():
-            return  # a prompt's last token: its first token comes from this step
-        if any(r.params.logprobs is not None for r in reqs):
+        n = 0
+        starts, sizes = plan.starts.tolist(), plan.query_lens.tolist()
+        rows = zip(plan.requests, starts, sizes, plan.sample, strict=True)
+        for (req, start, size, sampled), other in zip(rows, running, strict=False):
+            if req is not other or not joinable(req, start, size, sampled):
+                break
+            n += 1
+        if n < self.MIN_ROWS:
             return
+        reqs = plan.requests[:n]
         self.active = True
         self._last_step_id = plan.step_id
         self._index = {req: i for i, req in enumerate(reqs)}
         self._leaving: list[int] = []
-        self.rows = plan.rows
-        self.computed = computed
-        bs = self.block_size
-        self.capacity = np.fromiter((len(r.block_ids) * bs for r in reqs), np.int64, n)
         stops = {t for r in reqs for t in r.stop_ids}
         self.stop_ids = np.fromiter(stops, np.int64, len(stops))
-        self.batch = Batch(
-            reqs,
-            [r.output_ids for r in reqs],
-            [r.token_times for r in reqs],
-            np.fromiter((r.token_limit for r in reqs), np.int64, n),
-            self._charger(reqs),
-        )
+        self.batch = Batch.of(reqs, plan.rows[:n], self.block_size, self._charger(reqs))
 
     def stop(self) -> None:
         """End the run: write back the request fields it kept in arrays and offer its
@@ -137,13 +116,13 @@ class SteadyDecode:
         if not self.active:
             return
         for req, i in self._index.items():
-            self._sync(req, int(self.computed[i]))
+            self._sync(req, int(self.batch.computed[i]))
 
     def leave(self, req: Request) -> None:
         """``req`` ended: its row leaves the run (at the next plan), its fields up to date."""
         i = self._index.pop(req, None)
         if i is not None:
-            self._sync(req, int(self.computed[i]))
+            self._sync(req, int(self.batch.computed[i]))
             self._leaving.append(i)
         if self.register_blocks:
             self.kv.register_full_blocks(req)
@@ -154,28 +133,36 @@ class SteadyDecode:
         req.num_inflight = computed + 1 - req.num_tokens
         req.last_launched_step = self._last_step_id
 
-    def _charger(self, reqs: list[Request]) -> Callable[[], None] | None:
-        return self.policy.output_charger(reqs) if self.policy.charges_service else None
+    def _charger(self, reqs: list[Request]) -> tuple[Callable[[], None], ...]:
+        return (self.policy.output_charger(reqs),) if self.policy.charges_service else ()
 
     # ----------------------------------------------------------------- plans
     def plan(self, step_id: int, released_rows: Callable[[], list[int]]) -> StepPlan | None:
-        """The run's next plan; None where the run cannot go on (nobody left, or a row's
-        new block is not to be had): then ``stop`` and plan in full."""
-        done = self.computed + 1 >= self.batch.limit  # their last token is in flight
+        """The run's next plan, the run alone; None where the run cannot go on (nobody
+        left, or a row's new block is not to be had): then ``stop`` and plan in full."""
+        part = self.advance(step_id, None)
+        return None if part is None else self.assemble(step_id, part, None, released_rows())
+
+    def advance(self, step_id: int, budget: int | None) -> RunPart | None:
+        """Plan the run's rows for step ``step_id``, one token each, within ``budget``;
+        None where the run cannot go on as it is."""
+        done = self.batch.computed + 1 >= self.batch.limit  # their last token is in flight
         if done.any():
             for i in np.flatnonzero(done).tolist():
                 req = self.batch.reqs[i]
                 if self._index.pop(req, None) is not None:
-                    self._sync(req, int(self.computed[i]))
+                    self._sync(req, int(self.batch.computed[i]))
                     self._leaving.append(i)
                     if self.register_blocks:
                         self.kv.register_full_blocks(req)
         if self._leaving:
             self._compact()
-        if not self.batch.reqs:
+        if not self.batch.reqs or (budget is not None and len(self.batch.reqs) > budget):
             return None
-        computed = self.computed
-        growing = np.flatnonzero(computed >= self.capacity).tolist()  # at a block's first slot
+        computed = self.batch.computed
+        growing = np.flatnonzero(
+            computed >= self.batch.capacity
+        ).tolist()  # at a block's first slot
         for i in growing:
             req = self.batch.reqs[i]
             self._sync(req, int(computed[i]))
@@ -183,37 +170,78 @@ class SteadyDecode:
                 return None  # blocks taken so far are sent by the full plan
         new_blocks: list[int] = []
         for i in growing:
-            req, row = self.batch.reqs[i], int(self.rows[i])
+            req, row = self.batch.reqs[i], int(self.batch.rows[i])
             for block in req.block_ids[req.num_sent_blocks :]:
                 new_blocks += (row, block)
             req.num_sent_blocks = len(req.block_ids)
-            self.capacity[i] = len(req.block_ids) * self.block_size
+            self.batch.capacity[i] = len(req.block_ids) * self.block_size
         starts = computed.astype(np.int32)
         computed += 1
         self._last_step_id = step_id
-        self._batches[step_id] = self.batch
-        n = len(starts)
-        return StepPlan(
+        return RunPart(self.batch, starts, new_blocks)
+
+    def assemble(
+        self, step_id: int, part: RunPart, rest: StepPlan | None, released: list[int]
+    ) -> StepPlan:
+        """One step's plan: the run's rows first, then ``rest`` (the others, planned in
+        full, released rows apart). Requests of ``rest`` whose prompt is done join."""
+        n = len(part.starts)
+        self._batches[step_id] = part.batch
+        plan = StepPlan(
             step_id=step_id,
-            rows=self.rows,
-            starts=starts,
+            rows=part.batch.rows,
+            starts=part.starts,
             query_lens=np.ones(n, np.int32),
             sample=np.ones(n, bool),
             input_ids=np.full(n, PLACEHOLDER, np.int64),
-            released_rows=np.array(released_rows(), np.int32),
-            new_blocks=np.array(new_blocks, np.int32) if new_blocks else _EMPTY32,
-            requests=self.batch.reqs,
+            released_rows=np.array(released, np.int32),
+            new_blocks=np.array(part.new_blocks, np.int32) if part.new_blocks else _EMPTY32,
+            requests=part.batch.reqs,
         )
+        if rest is None:
+            return plan
+        self._join(rest)
+        return merge_plans(plan, rest)
+
+    def _join(self, rest: StepPlan) -> None:
+        """The leading requests of ``rest`` planned one sampled token past their prompt
+        join the run (only leading ones: the run stays a prefix of the plan's order)."""
+        joining = []
+        starts, sizes = rest.starts.tolist(), rest.query_lens.tolist()
+        for req, start, size, sampled in zip(
+            rest.requests, starts, sizes, rest.sample, strict=True
+        ):
+            if not joinable(req, start, size, sampled):
+                break
+            joining.append(req)
+        if not joining:
+            return
+        if self._leaving:
+            self._compact()
+        rows = np.array([r.row for r in joining], np.int32)
+        joined = Batch.of(joining, rows, self.block_size, self._charger(joining))
+        self.batch = self.batch.extend(joined)  # a new batch: the plans in flight keep theirs
+        start = len(self.batch.reqs) - len(joining)
+        self._index.update((req, start + i) for i, req in enumerate(joining))
+        stops = {t for r in joining for t in r.stop_ids}.difference(self.stop_ids.tolist())
+        if stops:
+            self.stop_ids = np.concatenate((self.stop_ids, list(stops))).astype(np.int64)
+
+    def register_filled(self) -> None:
+        """Offer the blocks the run's rows filled so far to the prefix cache (before a
+        lookup, which must find them)."""
+        if self.register_blocks:
+            self.batch.offer_filled_blocks(self.kv)
 
     def _compact(self) -> None:
+        """A new batch without the rows that left."""
         keep = np.ones(len(self.batch.reqs), bool)
         keep[self._leaving] = False
+        for batch in (self.batch, *self._batches.values()):
+            batch.lost = True
         self._leaving = []
         reqs = list(compress(self.batch.reqs, keep.tolist()))
         self.batch = self.batch.keep(keep, self._charger(reqs))
-        self.rows = self.rows[keep]
-        self.computed = self.computed[keep]
-        self.capacity = self.capacity[keep]
         self._index = {req: i for i, req in enumerate(self.batch.reqs)}
 
     # ---------------------------------------------------------------- results
@@ -222,23 +250,29 @@ class SteadyDecode:
 
     def apply(
         self, plan: StepPlan, tokens: np.ndarray, max_model_len: int, finish: Finish
-    ) -> tuple[list[Request], int]:
-        """Apply one of the run's steps: append its tokens, register blocks just filled,
-        charge the service, end the rows whose token ends them. Returns the requests that
-        got a token and how many tokens were wasted (their request had ended)."""
+    ) -> tuple[list[Request], int, StepPlan | None]:
+        """Apply the run's rows of one step (its first rows): append their tokens, charge
+        the service, end the rows whose token ends them. Returns the requests that got a
+        token, how many tokens were wasted (their request had ended), and the rest of the
+        step (the rows beside the run's, to apply in full; their tokens come after)."""
         batch = self._batches.pop(plan.step_id)
+        k = len(batch.reqs)
         now = time.monotonic()
-        held = plan.starts.astype(np.int64) + 2  # tokens each row holds now
-        if batch is self.batch and not self._leaving:
+        tokens = tokens[:k]
+        held = plan.starts[:k].astype(np.int64) + 2  # tokens each row holds now
+        if not batch.lost and not self._leaving:
             reqs, limits, wasted = batch.reqs, batch.limit, 0
             deque(map(list.append, batch.outputs, tokens.tolist()), 0)
             deque(map(list.append, batch.token_times, repeat(now)), 0)
-            if batch.charge is not None:
-                batch.charge()
+            for charge in batch.charges:
+                charge()
         else:  # rows left the run since this step was launched
             alive = [req.status is not RequestStatus.FINISHED for req in batch.reqs]
             mask = np.array(alive, bool)
-            reqs, limits, tokens = self._apply_left(batch, alive, tokens[mask], now)
+            reqs, limits = batch.append_alive(alive, tokens[mask], now, self._index)
+            if self.policy.charges_service:
+                self.policy.charge_output(reqs)
+            tokens = tokens[mask]
             held = held[mask]
             wasted = len(alive) - len(reqs)
         ending = (held >= limits) | np.isin(tokens, self.stop_ids)
@@ -247,24 +281,19 @@ class SteadyDecode:
             if req.finished:
                 continue
             if (j := self._index.get(req)) is not None:
-                self._sync(req, int(self.computed[j]))  # its counters, for the stop check
+                self._sync(req, int(self.batch.computed[j]))  # its counters, for the stop check
             reason = check_stop(req, token, max_model_len)
             if reason is not None:
                 finish(req, reason, token if reason is FinishReason.STOP else None)
-        return reqs, wasted
-
-    def _apply_left(
-        self, batch: Batch, alive: list[bool], tokens: np.ndarray, now: float
-    ) -> tuple[list[Request], np.ndarray, np.ndarray]:
-        """A step whose batch lost rows since: an ended request's token is wasted; one that
-        left with its last token in flight keeps its own counters, so they move here."""
-        reqs = list(compress(batch.reqs, alive))
-        deque(map(list.append, compress(batch.outputs, alive), tokens.tolist()), 0)
-        deque(map(list.append, compress(batch.token_times, alive), repeat(now)), 0)
-        for req in reqs:
-            if req not in self._index:
-                req.num_tokens += 1
-                req.num_inflight -= 1
-        if self.policy.charges_service:
-            self.policy.charge_output(reqs)
-        return reqs, batch.limit[np.array(alive, bool)], tokens
+        if k == len(plan.rows):
+            return reqs, wasted, None
+        rest = StepPlan(
+            plan.step_id,
+            plan.rows[k:],
+            plan.starts[k:],
+            plan.query_lens[k:],
+            plan.sample[k:],
+            plan.input_ids[:0],
+            requests=plan.requests[k:],
+        )
+        return reqs, wasted, rest
