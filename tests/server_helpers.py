@@ -43,8 +43,9 @@ def openai_client(server: BackgroundServer) -> Any:
     """The official client pointed at the server's HTTP API, without retries."""
     import openai
 
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.server.http_port}/v1",
-                         api_key="unused", max_retries=0)  # fmt: skip
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="unused", max_retries=0
+    )
 
 
 def token_prompts(count: int, seed: int = 0, lo: int = 5, hi: int = 60) -> list[list[int]]:

@@ -193,6 +193,10 @@ class AsyncEngine:
             self.planning_mode,
         )
 
+    def tenant_depths(self, limit: int = 64) -> list[tuple[str, int, int]]:
+        """(tenant, waiting, running) of tenants with work, most waiting first."""
+        return self.scheduler.policy.tenant_depths(self.scheduler.requests.values(), limit)
+
     @property
     def num_streams(self) -> int:
         """Output streams held for readers (each until its reader releases it)."""

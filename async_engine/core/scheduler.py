@@ -76,10 +76,6 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
-    def tenant_depths(self, limit: int = 64) -> list[tuple[str, int, int]]:
-        """(tenant, waiting, running) of tenants with work, most waiting first."""
-        return self.policy.tenant_depths(self.requests.values(), limit)
-
     def has_work(self) -> bool:
         return bool(self.running or self.policy.num_waiting)
 

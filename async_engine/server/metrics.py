@@ -39,9 +39,11 @@ class ServerMetrics:
         m = ["model_name"]
         # The KV cache's layout, for gateways that route by it (value always 1).
         self.cache_config = Gauge(
-            "vllm:cache_config_info", "KV cache configuration", ["model_name", "block_size"],
+            "vllm:cache_config_info",
+            "KV cache configuration",
+            ["model_name", "block_size"],
             registry=reg,
-        )  # fmt: skip
+        )
         self.cache_config.labels(model_name, str(block_size)).set(1)
         self.running = Gauge(
             "vllm:num_requests_running", "Requests running on the device", m, registry=reg

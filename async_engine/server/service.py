@@ -212,7 +212,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             device_restarts=stats.device_restarts,
             tenants=[
                 pb.TenantLoad(tenant=t, waiting=w, running=r)
-                for t, w, r in self.engine.scheduler.tenant_depths()
+                for t, w, r in self.engine.tenant_depths()
             ],
         )
 
