@@ -14,6 +14,7 @@ from async_engine.model import LlamaModel
 from async_engine.model.loader import build_model
 from sampler.params import SamplingParams
 from streams.pipeline.runner import SLOTS, PipelinedRunner
+from streams.plan import NewRow, StepPlan, int32s, int64s
 from streams.runner import ModelRunner
 
 BLOCK = 4
@@ -82,3 +83,18 @@ def assert_same_results(expected: list, got: list) -> None:
             assert [[t for t, _ in row] for row in have.top_logprobs] == [
                 [t for t, _ in row] for row in want.top_logprobs
             ]
+
+
+def first_step_plan() -> StepPlan:
+    """Step 0 of one greedy row: a 2-token prompt in a block of its own."""
+    greedy = SamplingParams(temperature=0, max_tokens=None)
+    return StepPlan(
+        0,
+        int32s([0]),
+        int32s([0]),
+        int32s([2]),
+        np.array([True]),
+        int64s([1, 2]),
+        [NewRow(0, greedy, [1, 2], [])],
+        new_blocks=int32s([0, 3]),
+    )

@@ -21,6 +21,7 @@ from pipelined_runs import (
     NUM_BLOCKS,
     PARAMS,
     assert_same_results,
+    first_step_plan,
     make_tiny_model,
     pipelined_runner,
     reference_runner,
@@ -131,17 +132,7 @@ def test_step_times_are_on_the_host_monotonic_clock(tiny):
 
     runner = pipelined_runner(tiny, cuda_graphs=False)
     before = time.monotonic()
-    greedy = SamplingParams(temperature=0, max_tokens=None)
-    plan = StepPlan(
-        0,
-        int32s([0]),
-        int32s([0]),
-        int32s([2]),
-        np.array([True]),
-        int64s([1, 2]),
-        [NewRow(0, greedy, [1, 2], [])],
-        new_blocks=int32s([0, 3]),
-    )
+    plan = first_step_plan()
     result = runner.finish(runner.launch(plan))
     assert before <= result.device_start <= result.device_end <= time.monotonic()
 
@@ -274,17 +265,7 @@ def test_on_cuda_step_times_come_from_events_on_the_host_clock(tiny):
     import time
 
     runner = PipelinedRunner(build_model(tiny, "float32", "cuda"), 16, 16, 4, "cuda")
-    greedy = SamplingParams(temperature=0, max_tokens=None)
     before = time.monotonic()
-    plan = StepPlan(
-        0,
-        int32s([0]),
-        int32s([0]),
-        int32s([2]),
-        np.array([True]),
-        int64s([1, 2]),
-        [NewRow(0, greedy, [1, 2], [])],
-        new_blocks=int32s([0, 3]),
-    )
+    plan = first_step_plan()
     result = runner.finish(runner.launch(plan))
     assert before - 0.01 <= result.device_start < result.device_end <= time.monotonic() + 0.01

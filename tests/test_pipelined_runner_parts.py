@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from pipelined_runs import BLOCK, make_tiny_model, pipelined_runner, seeded_model
+from pipelined_runs import BLOCK, first_step_plan, make_tiny_model, pipelined_runner, seeded_model
 
 from sampler.params import SamplingParams
 from streams.device import DeviceError
@@ -201,17 +201,7 @@ def test_a_bad_plan_fails_its_step_alone(tiny):
 
 def test_a_lost_cuda_context_fails_the_device_not_the_step(tiny):
     runner = pipelined_runner(tiny, cuda_graphs=False)
-    greedy = SamplingParams(temperature=0, max_tokens=None)
-    plan = StepPlan(
-        0,
-        int32s([0]),
-        int32s([0]),
-        int32s([2]),
-        np.array([True]),
-        int64s([1, 2]),
-        [NewRow(0, greedy, [1, 2], [])],
-        new_blocks=int32s([0, 3]),
-    )
+    plan = first_step_plan()
     pending = runner.launch(plan)
 
     class Lost:

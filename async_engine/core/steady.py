@@ -1,22 +1,22 @@
-"""Steady decode: a run of decode steps planned and applied over arrays, not request by
-request.
+"""Steady decode: the running requests that only decode, planned and applied over arrays
+instead of request by request.
 
 At a GPU's 1 ms steps and a batch of hundreds, touching every request twice a step in
-Python is most of the control plane's time. Once a plan holds every running request with
-one token each (their prompts done, nobody waiting, no logprobs wanted), a run starts:
-each row's computed-token count lives in an array, the next plan is the last one shifted
-by a token, and a step's tokens are appended to the requests' output lists in one pass of
-C-level iteration. Only the rows that change go through Python: one that needs a new KV
-block, one whose token may end it, one that leaves. The blocks a run's decodes fill are
-offered to the prefix cache when their row leaves, the run stops or a request is about
-to be admitted (its prefix looked up), not as each fills: hashing a block a step per 16
-rows was most of a step's work at batch 256. A row leaves the run when its request ends,
-or once its last token is in flight (it is planned no more; its last token is applied as
-the others' are). Beside a run, the scheduler plans the other running requests (prompts
+Python is most of the control plane's time. After a plan whose leading rows are the first
+running requests, each decoding one token past its prompt with no logprobs wanted, those
+rows form a run: each row's computed-token count lives in an array, the run's part of the
+next plan is the last one shifted by a token, and a step's tokens are appended to the
+requests' output lists in one pass of C-level iteration. Only the rows that change go
+through Python: one that needs a new KV block, one whose token may end it, one that
+leaves or joins. Beside the run, the scheduler plans the other running requests (prompts
 being computed) and admissions in full, in the same step (``assemble``); a request whose
-prompt is done joins the run. The run stays the first rows of each plan, in the order the
-full scheduler would give them. A preemption, a first-token step, or a step whose blocks
-may run short ends the run.
+prompt is done joins the run, which stays the first rows of each plan, in the order the
+full scheduler would give them. A row leaves when its request ends, or once its last
+token is in flight (it is planned no more; its last token is applied as the others' are).
+A preemption, a first-token step someone is behind for, or a step whose blocks may run
+short ends the run. The blocks a run's decodes fill are offered to the prefix cache when
+their row leaves, the run stops or an admission is about to look a prefix up, not as each
+fills: hashing a block a step per 16 rows was most of a step's work at batch 256.
 
 While a row is in a run, four of its request's fields are not kept up to date:
 ``num_computed_tokens``, ``num_inflight``, ``num_tokens`` and ``last_launched_step``.
@@ -58,10 +58,6 @@ class SteadyDecode:
         self.register_blocks = register_blocks
         self.active = False
         self._batches: dict[int, Batch] = {}  # the batch of each of the run's plans in flight
-
-    @property
-    def reqs(self) -> list[Request]:
-        return self.batch.reqs
 
     @property
     def size(self) -> int:
