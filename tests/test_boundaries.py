@@ -124,13 +124,15 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Absolute names of every module a file imports, anywhere in the file."""
+def imported_modules(path: Path, type_only_too: bool = False) -> set[str]:
+    """Absolute names of every module a file imports, anywhere in the file; with
+    ``type_only_too``, those under ``if TYPE_CHECKING:`` as well."""
     package = module_name(path).split(".")
     if path.name != "__init__.py":
         package = package[:-1]
     found: set[str] = set()
-    for node in runtime_nodes(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree) if type_only_too else runtime_nodes(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -199,14 +201,22 @@ def test_the_rules_catch_a_forbidden_import():
     assert allowed("profiling.capture", rule_for("async_engine/cli/serve.py"))
 
 
-def test_no_import_cycle_between_modules():
+def module_graph(type_only_too: bool) -> dict[str, set[str]]:
+    """Each project module and the project modules it imports."""
     graph: dict[str, set[str]] = {}
     for path in source_files():
-        graph[module_name(path)] = {n for n in imported_modules(path) if _is_module(n)}
-    for name in graph:
+        name = module_name(path)
         # A package's __init__ importing its own modules is how packages work, not a cycle.
-        graph[name] = {n for n in graph[name] if n != name and not name.startswith(n + ".")}
-    cycle = find_cycle(graph)
+        graph[name] = {
+            n
+            for n in imported_modules(path, type_only_too)
+            if _is_module(n) and n != name and not name.startswith(n + ".")
+        }
+    return graph
+
+
+def test_no_import_cycle_between_modules():
+    cycle = find_cycle(module_graph(type_only_too=False))
     assert cycle is None, " -> ".join(cycle or [])
 
 
@@ -235,35 +245,9 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_cycle_even_through_type_only_imports():
     """An import under ``if TYPE_CHECKING:`` never runs, but it still ties two modules
     together: neither can be read, changed or moved without the other."""
-    graph: dict[str, set[str]] = {}
-    for path in source_files():
-        name = module_name(path)
-        # A package's __init__ importing its own modules is how packages work, not a cycle.
-        graph[name] = {
-            n
-            for n in every_imported_module(path)
-            if _is_module(n) and n != name and not name.startswith(n + ".")
-        }
+    graph = module_graph(type_only_too=True)
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle (type-only imports count): " + " -> ".join(cycle or [])
-
-
-def every_imported_module(path: Path) -> set[str]:
-    """``imported_modules``, with the imports under ``if TYPE_CHECKING:`` too."""
-    found: set[str] = set()
-    package = module_name(path).split(".")
-    if path.name != "__init__.py":
-        package = package[:-1]
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
-            found.add(base)
-            found.update(f"{base}.{a.name}" for a in node.names if _is_module(f"{base}.{a.name}"))
-    return found
 
 
 def test_find_cycle_reports_a_cycle():

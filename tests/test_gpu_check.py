@@ -122,16 +122,7 @@ def test_identity_compares_the_pipelined_runner_with_the_cpu_engine(capsys):
     """The GPU phase's own comparison, device under test "cpu": the pipelined runner there."""
     from async_engine.bench import gpu_identity
 
-    argv = [
-        "--device",
-        "cpu",
-        "--shapes",
-        "tiny",
-        "--variants",
-        "overlap-on,preempt,chunked",
-        "--bf16",
-        "off",
-    ]
+    argv = "--device cpu --shapes tiny --variants overlap-on,preempt,chunked --bf16 off".split()
     assert gpu_identity.main(argv) == 0
     records = {r["variant"]: r for r in _records(capsys.readouterr().out)}
     assert set(records) == {"cpu-reference", "overlap-on", "preempt", "chunked"}
@@ -182,18 +173,7 @@ def test_a_variant_that_crashes_fails_the_phase_and_the_next_still_runs(monkeypa
 def test_bench_phase_reads_a_real_offline_run(capsys):
     from async_engine.bench import gpu_bench
 
-    argv = [
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--shape",
-        "tiny",
-        "--batches",
-        "4",
-        "--max-tokens",
-        "8",
-    ]
+    argv = "--device cpu --dtype float32 --shape tiny --batches 4 --max-tokens 8".split()
     assert gpu_bench.main(argv) == 0
     on, off, summary = _records(capsys.readouterr().out)
     assert (on["cuda_graphs"], off["cuda_graphs"]) == (True, False)
@@ -236,18 +216,7 @@ def test_bench_targets_are_reported_from_the_runs_that_completed():
 def test_profile_phase_reads_the_reports_of_a_real_run(capsys):
     from async_engine.bench import gpu_profile
 
-    argv = [
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--shape",
-        "tiny",
-        "--steps",
-        "20",
-        "--requests",
-        "4",
-    ]
+    argv = "--device cpu --dtype float32 --shape tiny --steps 20 --requests 4".split()
     assert gpu_profile.main(argv) == 0
     on, off, compare = _records(capsys.readouterr().out)
     assert (on["overlap"], off["overlap"]) == ("on", "off")
