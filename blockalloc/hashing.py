@@ -20,23 +20,17 @@ def block_hashes(token_ids: Sequence[int], block_size: int, parent: int | None =
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if parent is not None and not 0 <= parent <= _U64_MAX:
         raise ValueError(f"parent must be an unsigned 64-bit int, got {parent}")
-    hashes: list[int] = []
-    prev = parent
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        prev = _hash_block(prev, token_ids[start : start + block_size])
-        hashes.append(prev)
-    return hashes
-
-
-def _hash_block(parent: int | None, tokens: Sequence[int]) -> int:
-    h = hashlib.blake2b(digest_size=8)
-    # A flag byte keeps "no parent" distinct from a parent whose value happens to be 0.
-    if parent is None:
-        h.update(b"\x00")
-    else:
-        h.update(b"\x01" + parent.to_bytes(8, "little"))
-    try:
-        h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    full = len(token_ids) // block_size
+    try:  # all blocks' bytes in one conversion: per block, only a slice and a digest remain
+        data = struct.pack(f"<{full * block_size}q", *token_ids[: full * block_size])
     except struct.error as e:
         raise ValueError(f"token ids must be 64-bit signed ints: {e}") from None
-    return int.from_bytes(h.digest(), "little")
+    hashes: list[int] = []
+    # A flag byte keeps "no parent" distinct from a parent whose value happens to be 0.
+    prev = b"\x00" if parent is None else b"\x01" + parent.to_bytes(8, "little")
+    width = 8 * block_size
+    for start in range(0, full * width, width):
+        digest = hashlib.blake2b(prev + data[start : start + width], digest_size=8).digest()
+        hashes.append(int.from_bytes(digest, "little"))
+        prev = b"\x01" + digest
+    return hashes

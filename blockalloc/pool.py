@@ -11,10 +11,29 @@ Callers should free a request's blocks in reverse order (tail first). Freed bloc
 most-recently-used end of the LRU, so freeing tail first leaves the prefix heads as the most
 recent and they are evicted last; heads are the blocks other requests are most likely to share,
 and a tail block is useless once its head is gone since lookup matches prefixes only.
+
+`events`, when set, hears every change of the cache's contents (blocks joining it, evicted
+blocks, a reset), for KV events that prefix-aware routers follow; None costs one check.
 """
 
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
+from itertools import repeat
+from typing import Protocol
+
+
+class CacheEvents(Protocol):
+    """Where a pool reports what enters and leaves its prefix cache."""
+
+    def stored(self, hashes: list[int], parent: int | None, token_ids: Sequence[int]) -> None:
+        """Blocks that joined the cache, a run of one hash chain: ``hashes[0]`` follows
+        ``parent``; ``token_ids`` holds their tokens, block after block."""
+
+    def removed(self, hashes: list[int]) -> None:
+        """Cached blocks evicted (their hashes are no longer found)."""
+
+    def cleared(self) -> None:
+        """Nothing is cached any more."""
 
 
 class BlockPool:
@@ -28,7 +47,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
-        # Counted in blocks: how many hashes were looked up and how many of them hit.
+        # Counted in tokens, as vLLM's prefix-cache counters: the tokens of the full blocks
+        # looked up (a prompt's partial last block never is) and of the blocks found.
         self.prefix_queries = 0
         self.prefix_hits = 0
         self._ref = [0] * num_blocks
@@ -36,6 +56,7 @@ class BlockPool:
         self._cached: dict[int, int] = {}  # hash -> block
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.events: CacheEvents | None = None
 
     @property
     def num_free(self) -> int:
@@ -68,7 +89,7 @@ class BlockPool:
                 block = self._free.popleft()
             else:
                 block, _ = self._evictable.popitem(last=False)
-                self._uncache(block)
+                self._evict(block)
             self._ref[block] = 1
             blocks.append(block)
         return blocks
@@ -79,23 +100,27 @@ class BlockPool:
         Raises ValueError, changing nothing, if any block would drop below zero (double free).
         """
         blocks = list(blocks)
-        # Validate everything first so a bad call cannot leave the pool half-updated.
-        for block, count in Counter(blocks).items():
-            self._check_block(block)
-            if self._ref[block] < count:
+        ref, hash_of = self._ref, self._hash_of
+        # Validate everything first so a bad call cannot leave the pool half-updated. A
+        # request's blocks are distinct: only a repeat needs counting.
+        repeats = len(set(blocks)) != len(blocks)
+        for block, count in Counter(blocks).items() if repeats else zip(blocks, repeat(1)):
+            if not 0 <= block < self.num_blocks:
+                self._check_block(block)
+            if ref[block] < count:
                 raise ValueError(f"double free of block {block}")
         for block in blocks:
-            self._ref[block] -= 1
-            if self._ref[block] > 0:
+            ref[block] -= 1
+            if ref[block] > 0:
                 continue
-            if self._hash_of[block] is None:
+            if hash_of[block] is None:
                 self._free.append(block)
             else:
                 self._evictable[block] = None
 
     def lookup(self, hashes: Sequence[int]) -> list[int]:
         """Return the blocks of the longest cached prefix of `hashes`, one reference taken on each."""
-        self.prefix_queries += len(hashes)
+        self.prefix_queries += len(hashes) * self.block_size
         blocks: list[int] = []
         for h in hashes:
             block = self._cached.get(h)
@@ -105,7 +130,7 @@ class BlockPool:
                 del self._evictable[block]
             self._ref[block] += 1
             blocks.append(block)
-        self.prefix_hits += len(blocks)
+        self.prefix_hits += len(blocks) * self.block_size
         return blocks
 
     def register(self, block: int, block_hash: int) -> None:
@@ -129,16 +154,53 @@ class BlockPool:
         self._cached[block_hash] = block
         self._hash_of[block] = block_hash
 
+    def report_joined(
+        self,
+        blocks: Sequence[int],
+        hashes: Sequence[int],
+        parent: int | None,
+        token_ids: Sequence[int],
+    ) -> None:
+        """Tell `events` which of ``blocks``, just offered to `register` under ``hashes`` in
+        chain order (``hashes[0]`` follows ``parent``; ``token_ids`` are their tokens, block
+        after block), joined the cache. Callers check `events` first: without a listener
+        there is nothing to gather, and the hot path keeps a bare `register` loop."""
+        events = self.events
+        if events is None:
+            return
+        # A fresh block offered once holds its hash now only if it joined; one whose hash
+        # another block holds did not. It ends a run, and the next run's parent is its hash,
+        # which consumers already know.
+        hash_of = self._hash_of
+        joined = [hash_of[b] == h for b, h in zip(blocks, hashes, strict=True)]
+        bs = self.block_size
+        start = 0
+        for end in range(len(joined) + 1):
+            if end < len(joined) and joined[end]:
+                continue
+            if start < end:
+                run_parent = hashes[start - 1] if start else parent
+                events.stored(list(hashes[start:end]), run_parent, token_ids[start * bs : end * bs])
+            start = end + 1
+
     def ref_count(self, block: int) -> int:
         self._check_block(block)
         return self._ref[block]
 
     def reset_prefix_cache(self) -> None:
         """Forget the hashes of all unreferenced blocks; blocks in use keep theirs."""
+        dropped: list[int] = []
         while self._evictable:
             block, _ = self._evictable.popitem(last=False)
-            self._uncache(block)
+            dropped.append(self._uncache(block))
             self._free.append(block)
+        if self.events is None:
+            return
+        # "All cleared" would be false while blocks in use stay findable: name the dropped.
+        if not self._cached:
+            self.events.cleared()
+        elif dropped:
+            self.events.removed(dropped)
 
     def check_invariants(self) -> None:
         """Raise RuntimeError if the bookkeeping is inconsistent. O(num_blocks): tests only."""
@@ -167,11 +229,17 @@ class BlockPool:
         if self.prefix_hits > self.prefix_queries:
             raise RuntimeError("more prefix hits than queries")
 
-    def _uncache(self, block: int) -> None:
+    def _evict(self, block: int) -> None:
+        block_hash = self._uncache(block)
+        if self.events is not None:
+            self.events.removed([block_hash])
+
+    def _uncache(self, block: int) -> int:
+        """Drop an evictable (so hashed) block's hash from the cache; returns the hash."""
         block_hash = self._hash_of[block]
-        if block_hash is not None:
-            del self._cached[block_hash]
-            self._hash_of[block] = None
+        del self._cached[block_hash]
+        self._hash_of[block] = None
+        return block_hash
 
     def _check_block(self, block: int) -> None:
         if not 0 <= block < self.num_blocks:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
+import select
 import struct
 import subprocess
 import sys
@@ -79,6 +80,10 @@ class ProcessDevice(Device):
         _enlarge_pipe(plan_w)
         self._plan_send = Connection(plan_w, readable=False)
         self._result_recv = Connection(result_r, writable=False)
+        # Polled several times a step: one poll object, not Connection.poll's new selector
+        # (about 10 us a call, a few percent of the loop at batch 1,024).
+        self._results_ready = select.poll()
+        self._results_ready.register(result_r, select.POLLIN)
         self._closed = False
         self._plan_send.send_bytes(pickle.dumps(spec))
         try:
@@ -110,7 +115,7 @@ class ProcessDevice(Device):
 
     def collect(self) -> list[StepResult]:
         results = []
-        while self._result_recv.poll():
+        while self._results_ready.poll(0):
             frame = self._recv()
             if frame[:1] != RESULT:
                 raise DeviceError(f"unexpected message from device: {frame[:1]!r}")

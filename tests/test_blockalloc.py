@@ -191,11 +191,11 @@ def test_lookup_shares_a_block_already_in_use():
     assert pool.ref_count(block) == 2
 
 
-def test_lookup_counts_queries_and_hits_in_blocks():
-    pool = cached_pool(8, [1, 2])
+def test_lookup_counts_queries_and_hits_in_tokens():
+    pool = cached_pool(8, [1, 2], block_size=4)
     pool.lookup([1, 2, 3])
     pool.lookup([5])
-    assert (pool.prefix_queries, pool.prefix_hits) == (4, 2)
+    assert (pool.prefix_queries, pool.prefix_hits) == (4 * 4, 2 * 4)  # as vLLM: tokens
 
 
 def test_freed_cached_block_stays_cached_but_counts_as_free():

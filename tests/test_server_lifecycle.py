@@ -232,3 +232,41 @@ async def test_refused_4_mb_messages_leave_no_memory_behind(tiny_model: Path) ->
         serve.proc.send_signal(signal.SIGTERM)
         if await asyncio.to_thread(serve.proc.wait, 30) is None:
             serve.proc.kill()
+
+
+def test_http_health_says_not_serving_until_the_warm_up_has_run(tiny_model, monkeypatch):
+    import urllib.error
+    import urllib.request
+
+    from async_engine.server.app import GenerationServer
+
+    warming, release, seen = threading.Event(), threading.Event(), {}
+    original = GenerationServer._warm_up
+
+    async def held_warm_up(self):
+        seen["server"] = self
+        warming.set()
+        await asyncio.get_running_loop().run_in_executor(None, release.wait, 30)
+        await original(self)
+
+    def health() -> int:
+        url = f"http://127.0.0.1:{seen['server'].http_port}/health"
+        try:
+            return urllib.request.urlopen(url, timeout=5).status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    monkeypatch.setattr(GenerationServer, "_warm_up", held_warm_up)
+    options = ServerOptions(port=0, metrics_port=None, http_port=0)
+    started: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: started.put(start_server(tiny_model, options))).start()
+    assert warming.wait(60)
+    try:
+        assert health() == 503
+    finally:
+        release.set()
+    server = started.get(timeout=60)
+    try:
+        assert health() == 200
+    finally:
+        server.close()

@@ -12,7 +12,7 @@ import pytest
 from async_engine.core.policy import make_policy
 from async_engine.core.request import FinishReason, Request
 from async_engine.core.scheduler import Scheduler, SchedulerConfig
-from blockalloc import BlockPool
+from blockalloc import BlockPool, block_hashes
 from sampler.params import SamplingParams
 
 VOCAB = 500
@@ -87,7 +87,9 @@ def run(seed: int, policy: str, steady: bool, blocks: int = 400, prefix_cache: b
             break
     sched.sync_requests()
     ends = [(r.output_ids, r.finish_reason, r.stop_reason) for r in reqs]
-    return log, ends, sched.wasted_tokens, sched.pool.num_used
+    # The fair policy's service counters: the run charges per batch, not per request.
+    service = sorted((name, t.counter) for name, t in getattr(sched.policy, "tenants", {}).items())
+    return log, ends, sched.wasted_tokens, sched.pool.num_used, service
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "fair"])
@@ -150,3 +152,22 @@ def test_a_run_goes_on_beside_prompts_and_admissions():
             sched.update_from_output(done, np.full(int(done.sample.sum()), 50, np.int64))
     assert beside >= 5, "runs carried prompts and admissions beside their rows"
     assert sched.pool.num_used == 0 and not sched.has_work()
+
+
+def test_each_full_block_of_a_request_is_hashed_once(monkeypatch):
+    import async_engine.core.kv_manager as kv_manager
+
+    hashed = []
+
+    def counting(token_ids, block_size, parent=None):
+        hashed.append(len(token_ids) // block_size)
+        return block_hashes(token_ids, block_size, parent)
+
+    monkeypatch.setattr(kv_manager, "block_hashes", counting)
+    sched = make_scheduler("fcfs", 400, steady=False, prefix_cache=True)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    sched.add_request(Request("r", list(range(20, 33)), params, max_model_len=256))  # 13 tokens
+    while sched.has_work():
+        plan = sched.schedule()
+        sched.update_from_output(plan, np.full(int(plan.sample.sum()), 50, np.int64))
+    assert sum(hashed) == (13 + 8) // 4  # its lookup's 3 prompt blocks served registration

@@ -1,10 +1,12 @@
-"""`async-engine bench offline|serve|prefill|soak`: benchmarks, not tests."""
+"""`async-engine bench offline|serve|prefill|soak|replicas`: benchmarks, not tests."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from async_engine.bench import offline, prefill, serve, soak
+from async_engine.bench.replicas import command as replicas
+from async_engine.bench.replicas import options as replicas_options
 from async_engine.cli.options import add_engine_args
 
 # name -> (help, the module's argument adder, its command)
@@ -28,6 +30,11 @@ BENCHES = {
         "long mixed load with cancels: leaks, ghost requests, RSS growth, errors",
         soak.add_arguments,
         soak.cmd_soak,
+    ),
+    "replicas": (
+        "K serve replicas behind a router: latency, split, prefix affinity, cancel lag",
+        replicas_options.add_arguments,
+        replicas.cmd_replicas,
     ),
 }
 

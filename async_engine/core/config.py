@@ -37,6 +37,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "sim")
 LOAD_FORMATS = ("auto", "dummy")
 DEVICE_RUNNERS = ("auto", "sync", "pipelined")
+KV_EVENT_ENCODINGS = ("map", "array")
+ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
 def _opt(default: object, help: str, choices: tuple[str, ...] | None = None) -> object:
@@ -89,6 +91,21 @@ class EngineConfig:
         "is full; default a quarter of --max-num-seqs; 0 keeps --max-num-seqs a hard limit",
     )
     enable_prefix_cache: bool = _opt(True, "share KV blocks of identical prompt prefixes")
+    kv_events_endpoint: str | None = _opt(
+        None,
+        "publish prefix-cache KV events in vLLM's format (ZMQ PUB) for prefix-aware routers: "
+        "tcp://*:5557 binds, tcp://host:5557 connects (to an indexer that binds, as llm-d's)",
+    )
+    kv_events_replay_endpoint: str | None = _opt(
+        None, "ZMQ ROUTER address (binds) that resends recent KV event batches from a seq number"
+    )
+    kv_events_topic: str = _opt("", "topic frame of KV event messages (llm-d: kv@<pod>@<model>)")
+    kv_events_encoding: str = _opt(
+        "map",
+        "KV events as tagged maps (vLLM >= 0.24, vllm-router 0.1.17) or positional arrays "
+        "(vLLM <= 0.23, llm-d-kv-cache-manager); both batches are arrays",
+        KV_EVENT_ENCODINGS,
+    )
     device_threads: int | None = _opt(None, "CPU device threads (default: every core)")
     max_unread_bytes_per_stream: int = _opt(
         16 << 20, "a stream whose unread output outgrows this is ended (reader too slow)"
@@ -119,6 +136,7 @@ class EngineConfig:
             ("device_runner", DEVICE_RUNNERS),
             ("scheduling_policy", POLICIES),
             ("planning", PLANNINGS),
+            ("kv_events_encoding", KV_EVENT_ENCODINGS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be {'|'.join(allowed)}, got {getattr(self, name)!r}")
@@ -134,6 +152,7 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.resolved_tenant_weights()  # raises on a bad spec
+        self._check_kv_events()
         overflow = self.fair_overflow_seqs
         if overflow is not None and (
             isinstance(overflow, bool) or not isinstance(overflow, int) or overflow < 0
@@ -168,6 +187,18 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int | float) and 0 <= value < 1e9):
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+
+    def _check_kv_events(self) -> None:
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value.startswith(ZMQ_SCHEMES)):
+                raise ValueError(
+                    f"{name} must be a ZeroMQ address like tcp://*:5557, got {value!r}"
+                )
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+        if not isinstance(self.kv_events_topic, str):
+            raise ValueError(f"kv_events_topic must be a string, got {self.kv_events_topic!r}")
 
     def resolved_tenant_weights(self) -> dict[str, float]:
         """``tenant_weights`` parsed: 'a=2,b=1' -> {'a': 2.0, 'b': 1.0}."""

@@ -33,6 +33,7 @@ from async_engine.core.step_clock import StepClock
 from async_engine.core.supervisor import DeviceState, Recovery, RestartPolicy, Supervisor
 from async_engine.core.timeline import DeviceTimeline, PhaseClock
 from async_engine.core.tokenizer import Tokenizer
+from async_engine.kv_events import attach_kv_events
 from async_engine.model import load_model_config, resolve_model
 from blockalloc import BlockPool
 from sampler.params import SamplingParams
@@ -67,6 +68,7 @@ class AsyncEngine:
         )
         num_blocks = self.host.num_blocks
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_cache)
+        self.kv_events = attach_kv_events(config, self.pool)  # a no-op unless configured
         sched_config = SchedulerConfig(self.max_model_len, config.block_size)
         self.scheduler = Scheduler(sched_config, self.pool, config.build_policy())
         self.intake = Intake(
@@ -271,6 +273,7 @@ class AsyncEngine:
     def _shutdown(self) -> None:
         self.host.close()
         self.intake.close()
+        self.kv_events.close()
 
     def _ensure_started(self) -> None:
         if self._closed:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
@@ -21,6 +21,7 @@ from async_engine.core.request import FinishReason, Request
 from sampler.params import SamplingParams
 
 Prompt = str | list[int] | None
+Released = Callable[[list[Request]], None]  # a group's children, once, when it is released
 
 
 @dataclass(slots=True)
@@ -59,10 +60,17 @@ class Engine(Protocol):
 class RequestGroup:
     """The child requests of one submission, index i running sample i."""
 
-    def __init__(self, engine: Engine, request_id: str, children: list[Request]) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        request_id: str,
+        children: list[Request],
+        on_release: Released | None = None,
+    ) -> None:
         self.engine = engine
         self.request_id = request_id  # the parent's: children are "<id>#<i>" when n > 1
         self.children = children
+        self.on_release = on_release
         self._pumps: list[asyncio.Task] = []  # while deltas() merges n > 1 children
         self._released = False
 
@@ -126,6 +134,8 @@ class RequestGroup:
             pump.cancel()
         for req in self.children:
             self.engine.release(req)
+        if self.on_release is not None:  # after the aborts: every child has its end now
+            self.on_release(self.children)
 
 
 def submit(
@@ -134,9 +144,11 @@ def submit(
     params: SamplingParams | None,
     request_id: str | None = None,
     options: RequestOptions | None = None,
+    on_release: Released | None = None,
 ) -> RequestGroup:
     """Queue ``params.n`` children, all or none: if adding child k raises, children
-    0..k-1 are released before the error propagates. No ``request_id``: a fresh one."""
+    0..k-1 are released before the error propagates (a refused submission is not seen
+    by ``on_release``). No ``request_id``: a fresh one."""
     request_id = request_id or uuid.uuid4().hex
     n = 1 if params is None else params.n
     kwargs = (options or RequestOptions()).as_kwargs()
@@ -148,4 +160,5 @@ def submit(
     except BaseException:
         group.release()
         raise
+    group.on_release = on_release
     return group

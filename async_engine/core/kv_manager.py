@@ -28,11 +28,11 @@ class KVCacheManager:
 
     def lookup_prefix(self, req: Request) -> None:
         # Leave at least one token to compute: its logits give the next token.
-        known = req.known_tokens(req.num_tokens - 1)
-        req.block_hashes = block_hashes(known, self.block_size)
-        hits = self.pool.lookup(req.block_hashes)
+        full = (req.num_tokens - 1) // self.block_size
+        self._hash_up_to(req, full)
+        hits = self.pool.lookup(req.hash_chain[:full])
         req.block_ids = hits
-        req.block_hashes = req.block_hashes[: len(hits)]
+        req.block_hashes = req.hash_chain[: len(hits)]
         req.num_computed_tokens = len(hits) * self.block_size
         if not req.output_ids and req.num_preemptions == 0:
             req.num_cached_tokens = req.num_computed_tokens
@@ -46,12 +46,24 @@ class KVCacheManager:
         full = known // bs
         if len(req.block_hashes) >= full:
             return
-        parent = req.block_hashes[-1] if req.block_hashes else None
-        start = len(req.block_hashes) * bs
-        new = block_hashes(req.tokens_between(start, full * bs), bs, parent)
-        for h in new:
+        self._hash_up_to(req, full)
+        first = len(req.block_hashes)
+        for h in req.hash_chain[first:full]:
             self.pool.register(req.block_ids[len(req.block_hashes)], h)
             req.block_hashes.append(h)
+        if self.pool.events is not None:  # KV events for routers: which blocks joined
+            parent = req.hash_chain[first - 1] if first else None
+            tokens = req.tokens_between(first * bs, full * bs)
+            self.pool.report_joined(
+                req.block_ids[first:full], req.hash_chain[first:full], parent, tokens
+            )
+
+    def _hash_up_to(self, req: Request, full: int) -> None:
+        """Extend the request's hash chain to its first ``full`` blocks."""
+        chain, bs = req.hash_chain, self.block_size
+        if len(chain) < full:
+            parent = chain[-1] if chain else None
+            chain += block_hashes(req.tokens_between(len(chain) * bs, full * bs), bs, parent)
 
     def release(self, req: Request) -> None:
         self.free(self.detach(req))

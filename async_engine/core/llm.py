@@ -24,6 +24,9 @@ from sampler.params import SamplingParams
 from streams.device import Device
 
 Prompt = str | list[int]
+# Requests queued per turn of the event loop: between turns the engine plans and launches
+# steps, so a large batch starts on the device before the last request is queued.
+SUBMIT_BETWEEN_STEPS = 16
 
 
 @dataclass(slots=True)
@@ -183,22 +186,24 @@ class LLM:
         options: dict[str, Any],
         return_errors: bool,
     ) -> list[Any]:
-        # Validate every prompt before queueing any, so a bad one fails the call cleanly.
         groups: list[RequestGroup | ValueError] = []
         try:
-            for item, params in zip(items, params_list, strict=True):
+            for i, (item, params) in enumerate(zip(items, params_list, strict=True)):
+                if i % SUBMIT_BETWEEN_STEPS == SUBMIT_BETWEEN_STEPS - 1:
+                    await asyncio.sleep(0)  # the loop starts the first steps meanwhile
                 try:
                     groups.append(self._submit(item, params, options))
                 except ValueError as exc:
                     if not return_errors:
-                        raise
+                        raise  # a bad prompt fails the call: the finally aborts the others
                     groups.append(exc)
-        except BaseException:
+            # In order, one after another: a task per request would cost more than waiting
+            # (the requests run meanwhile, and most have ended when their turn comes).
+            return [await self._gather(group) for group in groups]
+        finally:
             for group in groups:
                 if isinstance(group, RequestGroup):
                     group.release()
-            raise
-        return list(await asyncio.gather(*(self._gather(g) for g in groups)))
 
     def _submit(
         self, item: dict[str, Any], params: SamplingParams | None, options: dict[str, Any]
@@ -216,11 +221,9 @@ class LLM:
         if isinstance(group, ValueError):
             return group
         wholes = [RequestDelta(req.request_id, 0, [], "") for req in group.children]
-        try:
-            async for index, delta in group.deltas():
-                wholes[index].merge(delta)
-        finally:
-            group.release()
+        async for index, delta in group.deltas():
+            wholes[index].merge(delta)
+        group.release()
         samples = [
             self._output(req, whole) for req, whole in zip(group.children, wholes, strict=True)
         ]
@@ -243,7 +246,7 @@ class LLM:
             out.stop_reason = whole.stop_reason
             out.metrics = whole.timings
         tokenizer = self.engine.tokenizer
-        if not req.params.stop and tokenizer is not None:
+        if not req.params.stop and tokenizer is not None:  # else decoded as it grew
             out.text = decode_continuation(
                 tokenizer, req.prompt_ids, out.token_ids, req.params.skip_special_tokens
             )

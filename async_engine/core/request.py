@@ -77,6 +77,7 @@ class Request:
         "num_cached_tokens",
         "block_ids",
         "block_hashes",
+        "hash_chain",
         "row",
         "num_sent_blocks",
         "table_reset",
@@ -138,6 +139,9 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []
+        # The hash of every full block of the tokens hashed so far, whether cached or not:
+        # tokens never change, so a prefix lookup's hashes serve the later registrations.
+        self.hash_chain: list[int] = []
         self.row: int | None = None  # its place on the device, from admission until retired
         self.num_sent_blocks = 0  # how much of block_ids the device's table already holds
         self.table_reset = False  # preempted: the device's table must start over

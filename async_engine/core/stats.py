@@ -25,8 +25,8 @@ class EngineStats:
     steps: int
     num_preemptions: int
     wasted_tokens: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
+    prefix_cache_queries: int  # tokens of full prompt blocks looked up, lifetime
+    prefix_cache_hits: int  # tokens of those found cached (vLLM counts tokens too)
     phase_seconds: dict[str, float]  # control-plane time per phase, lifetime totals
     phase_mean_ms: dict[str, float]  # per occurrence (about once per step)
     device_state: str  # serving | restarting | failed

@@ -33,14 +33,20 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from itertools import compress, repeat
+from itertools import repeat
 
 import numpy as np
 
 from async_engine.core.kv_manager import KVCacheManager
 from async_engine.core.policy import Policy
 from async_engine.core.request import FinishReason, Request, RequestStatus
-from async_engine.core.steady_batch import Batch, RunPart, joinable, merge_plans
+from async_engine.core.steady_batch import (
+    Batch,
+    RunPart,
+    joinable,
+    merge_plans,
+    plan_beside_run,
+)
 from async_engine.core.step_results import check_stop
 from streams.plan import PLACEHOLDER, StepPlan
 
@@ -129,8 +135,10 @@ class SteadyDecode:
         req.num_inflight = computed + 1 - req.num_tokens
         req.last_launched_step = self._last_step_id
 
-    def _charger(self, reqs: list[Request]) -> tuple[Callable[[], None], ...]:
-        return (self.policy.output_charger(reqs),) if self.policy.charges_service else ()
+    def _charger(self, reqs: list[Request], tokens: int = 1) -> tuple[Callable[[], None], ...]:
+        if not self.policy.charges_service:
+            return ()
+        return (self.policy.output_charger(reqs, tokens),)
 
     # ----------------------------------------------------------------- plans
     def plan(self, step_id: int, released_rows: Callable[[], list[int]]) -> StepPlan | None:
@@ -156,21 +164,20 @@ class SteadyDecode:
         if not self.batch.reqs or (budget is not None and len(self.batch.reqs) > budget):
             return None
         computed = self.batch.computed
-        growing = np.flatnonzero(
-            computed >= self.batch.capacity
-        ).tolist()  # at a block's first slot
-        for i in growing:
-            req = self.batch.reqs[i]
-            self._sync(req, int(computed[i]))
-            if not self.kv.allocate_slots(req, 1):
-                return None  # blocks taken so far are sent by the full plan
+        growing = np.flatnonzero(computed >= self.batch.capacity).tolist()  # at a block's start
         new_blocks: list[int] = []
-        for i in growing:
-            req, row = self.batch.reqs[i], int(self.batch.rows[i])
-            for block in req.block_ids[req.num_sent_blocks :]:
-                new_blocks += (row, block)
-            req.num_sent_blocks = len(req.block_ids)
-            self.batch.capacity[i] = len(req.block_ids) * self.block_size
+        if growing:  # one block each, all or none: the pool hands out what one by one would
+            blocks = self.kv.pool.allocate(len(growing))
+            if blocks is None:
+                return None  # the full plan allocates, or preempts
+            reqs, rows = self.batch.reqs, self.batch.rows
+            for i, block in zip(growing, blocks, strict=True):
+                req = reqs[i]
+                req.block_ids.append(block)
+                for sent in req.block_ids[req.num_sent_blocks :]:
+                    new_blocks += (int(rows[i]), sent)
+                req.num_sent_blocks = len(req.block_ids)
+            self.batch.capacity[growing] += self.block_size
         starts = computed.astype(np.int32)
         computed += 1
         self._last_step_id = step_id
@@ -236,8 +243,7 @@ class SteadyDecode:
         for batch in (self.batch, *self._batches.values()):
             batch.lost = True
         self._leaving = []
-        reqs = list(compress(self.batch.reqs, keep.tolist()))
-        self.batch = self.batch.keep(keep, self._charger(reqs))
+        self.batch = self.batch.keep(keep, self._charger)
         self._index = {req: i for i, req in enumerate(self.batch.reqs)}
 
     # ---------------------------------------------------------------- results
@@ -260,14 +266,15 @@ class SteadyDecode:
             reqs, limits, wasted = batch.reqs, batch.limit, 0
             deque(map(list.append, batch.outputs, tokens.tolist()), 0)
             deque(map(list.append, batch.token_times, repeat(now)), 0)
-            for charge in batch.charges:
-                charge()
+            batch.charge()
         else:  # rows left the run since this step was launched
             alive = [req.status is not RequestStatus.FINISHED for req in batch.reqs]
             mask = np.array(alive, bool)
-            reqs, limits = batch.append_alive(alive, tokens[mask], now, self._index)
+            # Only a row whose last token this is can have left the run still running.
+            last = np.flatnonzero(mask & (held >= batch.limit)).tolist()
+            reqs, limits = batch.append_alive(alive, tokens[mask], now, self._index, last)
             if self.policy.charges_service:
-                self.policy.charge_output(reqs)
+                batch.charge(self.policy, ended=(~mask).tolist())
             tokens = tokens[mask]
             held = held[mask]
             wasted = len(alive) - len(reqs)
@@ -281,15 +288,4 @@ class SteadyDecode:
             reason = check_stop(req, token, max_model_len)
             if reason is not None:
                 finish(req, reason, token if reason is FinishReason.STOP else None)
-        if k == len(plan.rows):
-            return reqs, wasted, None
-        rest = StepPlan(
-            plan.step_id,
-            plan.rows[k:],
-            plan.starts[k:],
-            plan.query_lens[k:],
-            plan.sample[k:],
-            plan.input_ids[:0],
-            requests=plan.requests[k:],
-        )
-        return reqs, wasted, rest
+        return reqs, wasted, None if k == len(plan.rows) else plan_beside_run(plan, k)

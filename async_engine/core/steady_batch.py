@@ -11,8 +11,14 @@ from itertools import compress, repeat
 import numpy as np
 
 from async_engine.core.kv_manager import KVCacheManager
+from async_engine.core.policy import Policy
 from async_engine.core.request import Request, RequestStatus
 from streams.plan import StepPlan
+
+Charger = Callable[[list[Request], int], tuple[Callable[[], None], ...]]
+# A batch's charges grow by one as rows leave (their charge taken back); past this many,
+# the batch gets one charge again, worked out over its rows.
+MAX_CHARGERS = 8
 
 
 @dataclass(slots=True)
@@ -61,8 +67,13 @@ class Batch:
             column(len(r.block_hashes) for r in reqs),
         )
 
-    def keep(self, mask: np.ndarray, charges: tuple[Callable[[], None], ...]) -> Batch:
+    def keep(self, mask: np.ndarray, charger: Charger) -> Batch:
+        """The rows of ``mask``; ``charger(reqs, tokens)`` gives the charges of ``reqs``."""
         flags = mask.tolist()
+        if len(self.charges) < MAX_CHARGERS:  # take the rows that left back off the charge
+            charges = self.charges + charger(list(compress(self.reqs, (~mask).tolist())), -1)
+        else:  # one charge for the batch again
+            charges = charger(list(compress(self.reqs, flags)), 1)
         return Batch(
             list(compress(self.reqs, flags)),
             list(compress(self.outputs, flags)),
@@ -90,6 +101,13 @@ class Batch:
             np.concatenate((self.num_hashes, other.num_hashes)),
         )
 
+    def charge(self, policy: Policy | None = None, ended: list[bool] | None = None) -> None:
+        """Charge a step's output: every row, less the rows ``ended`` (few) taken back."""
+        for charge in self.charges:
+            charge()
+        if ended is not None and policy is not None and any(ended):
+            policy.charge_output(list(compress(self.reqs, ended)), -1)
+
     def offer_filled_blocks(self, kv: KVCacheManager) -> None:
         """Offer the blocks the rows filled so far to the prefix cache: as many tokens as
         are both held and computed."""
@@ -101,15 +119,21 @@ class Batch:
             self.num_hashes[i] = len(req.block_hashes)
 
     def append_alive(
-        self, alive: list[bool], tokens: np.ndarray, now: float, in_run: Container[Request]
+        self,
+        alive: list[bool],
+        tokens: np.ndarray,
+        now: float,
+        in_run: Container[Request],
+        last: list[int],
     ) -> tuple[list[Request], np.ndarray]:
         """A step of this batch after rows left the run: the still running rows take their
-        ``tokens``; one no longer ``in_run`` (its last token was in flight) moves its own
-        counters. Returns those requests and their token limits."""
+        ``tokens``; one no longer ``in_run`` (its last token was in flight; it is among the
+        rows ``last``) moves its own counters. Returns those requests and their limits."""
         reqs = list(compress(self.reqs, alive))
         deque(map(list.append, compress(self.outputs, alive), tokens.tolist()), 0)
         deque(map(list.append, compress(self.token_times, alive), repeat(now)), 0)
-        for req in reqs:
+        for i in last:
+            req = self.reqs[i]
             if req not in in_run:
                 req.num_tokens += 1
                 req.num_inflight -= 1
@@ -133,6 +157,20 @@ def joinable(req: Request, start: int, size: int, sampled: bool) -> bool:
         and start >= len(req.prompt_ids)
         and req.params.logprobs is None
         and req.status is RequestStatus.RUNNING
+    )
+
+
+def plan_beside_run(plan: StepPlan, k: int) -> StepPlan:
+    """The rows of a step after the run's first ``k``, to apply in full (``merge_plans``
+    undone; tokens are the caller's, so no input ids)."""
+    return StepPlan(
+        plan.step_id,
+        plan.rows[k:],
+        plan.starts[k:],
+        plan.query_lens[k:],
+        plan.sample[k:],
+        plan.input_ids[:0],
+        requests=plan.requests[k:],
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from async_engine.core.byte_table import ByteTable
 from async_engine.core.chat import normalize_messages, render_for_template
 
 
@@ -18,11 +19,14 @@ class Tokenizer:
         # entries spell each byte as a character): an upper bound used to refuse, before
         # tokenizing, text that cannot fit a context.
         self.max_token_chars = max((len(t) for t in self.hf.get_vocab()), default=1) or 1
+        self.byte_table = ByteTable.of(self.hf)  # None: decode through the tokenizer
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf(text)["input_ids"])
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self.byte_table is not None:
+            return self.byte_table.decode(token_ids, skip_special_tokens)
         # transformers' decode first checks the type of every id (to_py_obj) and then calls
         # _decode; our ids are a flat list of ints already, and the check was two thirds
         # of a 128-token decode.

@@ -47,7 +47,9 @@ class GenerationServer:
         ensure_logging()
         self.engine = engine
         self.options = opts = options or ServerOptions()
-        metrics = ServerMetrics(str(engine.config.model), engine.config.block_size)
+        metrics = ServerMetrics(
+            str(engine.config.model), engine.config.block_size, engine.pool.num_blocks
+        )
         principals = _principals(opts)
         for tenant in principals.tenants() if principals is not None else ():
             metrics.tenants.admit(tenant)  # a token file's tenants are known
@@ -85,7 +87,10 @@ class GenerationServer:
             await server.start()
             parts.push_async_callback(lambda: server.stop(self._grace_s))
             if opts.warmup:
+                self.state.warming = True  # HTTP /health says "not serving" meanwhile
                 await self._warm_up()
+                self.state.warming = False
+                self.state.metrics.refresh(self.engine)  # not the warm-up's gauges
             for name in ("", SERVICE_NAME):
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
             listeners = self.engine.supervisor.listeners

@@ -2,16 +2,18 @@
 
 Each server owns a CollectorRegistry (no process-global state), so several servers can
 live in one process (tests, benchmarks). Gauges are refreshed from the engine by the
-server's event loop; nothing here reads the engine from the HTTP thread.
+server's event loop; nothing here reads the engine from the HTTP thread. Per-request
+series are fed by ``on_release``, which every front end's request group calls once.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from async_engine.core.request import Request
+from async_engine.core.request import FinishReason, Request
 from async_engine.server.histograms import BulkHistogram
 from async_engine.server.tenant_labels import TenantLabels
 
@@ -28,140 +30,113 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 # Cancellation reaches the KV cache within a step or two: milliseconds, not seconds.
 LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
+log = structlog.get_logger("async_engine.server.metrics")
 MAX_TENANTS = 64  # label cardinality guard: the rest share the label "other"
+# vLLM's finished_reason values: stop, length, abort (and error), as FinishReason.simple says.
+FINISHED_REASONS = tuple(dict.fromkeys(reason.simple for reason in FinishReason))
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, block_size: int) -> None:
+    def __init__(self, model_name: str, block_size: int, num_gpu_blocks: int | None = None) -> None:
         self.registry = reg = CollectorRegistry()
         self.model_name = model_name
         self.block_size = block_size
         m = ["model_name"]
-        # The KV cache's layout, for gateways that route by it (value always 1).
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, m, registry=reg)
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(name, doc, [*m, *labels], registry=reg)
+
+        def histogram(name: str, doc: str, buckets: tuple, *labels: str) -> Histogram:
+            return Histogram(name, doc, [*m, *labels], buckets=buckets, registry=reg)
+
+        # The KV cache's layout, for gateways that route by it (value always 1); the block
+        # count is known once the device has sized the cache (see ``describe_cache``).
         self.cache_config = Gauge(
             "vllm:cache_config_info",
             "KV cache configuration",
-            ["model_name", "block_size"],
+            ["model_name", "block_size", "num_gpu_blocks"],
             registry=reg,
         )
-        self.cache_config.labels(model_name, str(block_size)).set(1)
-        self.running = Gauge(
-            "vllm:num_requests_running", "Requests running on the device", m, registry=reg
-        )
-        self.waiting = Gauge(
-            "vllm:num_requests_waiting", "Requests waiting to be admitted", m, registry=reg
-        )
-        self.kv_usage = Gauge(
-            "vllm:kv_cache_usage_perc", "KV cache usage (1 = full)", m, registry=reg
-        )
-        self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds",
-            "Time to first token",
-            m,
-            buckets=TTFT_BUCKETS,
-            registry=reg,
+        self._num_gpu_blocks: int | None = None
+        if num_gpu_blocks is not None:
+            self.describe_cache(num_gpu_blocks)
+        self.running = gauge("vllm:num_requests_running", "Requests running on the device")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be admitted")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full)")
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS
         )
         self.itl = BulkHistogram(  # one value per generated token: observed in bulk
             "vllm:inter_token_latency_seconds", "Inter-token latency", m, ITL_BUCKETS, reg
         )
-        self.e2e = Histogram(
-            "vllm:e2e_request_latency_seconds",
-            "End-to-end request latency",
-            m,
-            buckets=REQUEST_BUCKETS,
-            registry=reg,
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency", REQUEST_BUCKETS
         )
-        self.queue = Histogram(
-            "vllm:request_queue_time_seconds",
-            "Time waiting for admission",
-            m,
-            buckets=REQUEST_BUCKETS,
-            registry=reg,
+        self.queue = histogram(
+            "vllm:request_queue_time_seconds", "Time waiting for admission", REQUEST_BUCKETS
         )
-        self.preemptions = Counter("vllm:num_preemptions", "Preemptions", m, registry=reg)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens", m, registry=reg)
-        self.generation_tokens = Counter(
-            "vllm:generation_tokens", "Generated tokens", m, registry=reg
-        )
-        self.prefix_queries = Counter(
-            "vllm:prefix_cache_queries", "Prefix cache lookups", m, registry=reg
-        )
-        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits", m, registry=reg)
-        self.success = Counter(
-            "vllm:request_success", "Finished requests", m + ["finished_reason"], registry=reg
-        )
-        self.idle = Gauge(
+        self.preemptions = counter("vllm:num_preemptions", "Preemptions")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens")
+        # In tokens, as vLLM's: the tokens of full prompt blocks looked up, and of those found.
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queried tokens")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hit tokens")
+        self.success = counter("vllm:request_success", "Finished requests", "finished_reason")
+        self.idle = gauge(
             "async_engine:device_idle_fraction",
             "Share of recent device time spent waiting on the control plane",
-            m,
-            registry=reg,
         )
-        self.device_seconds = Counter(
+        self.device_seconds = counter(
             "async_engine:device_seconds",
             "Device time by state: busy, or idle while requests had work",
-            m + ["state"],
-            registry=reg,
+            "state",
         )
-        self.phase_seconds = Counter(
+        self.phase_seconds = counter(
             "async_engine:step_phase_seconds",
             "Control-plane time per step phase (wait = on the device)",
-            m + ["phase"],
-            registry=reg,
+            "phase",
         )
-        self.steps = Counter("async_engine:steps", "Device steps completed", m, registry=reg)
-        self.engine_requests = Gauge(
+        self.steps = counter("async_engine:steps", "Device steps completed")
+        self.engine_requests = gauge(
             "async_engine:engine_requests",
             "Requests the engine holds: queued, running, or ending (0 when idle, or a leak)",
-            m,
-            registry=reg,
         )
-        self.engine_streams = Gauge(
+        self.engine_streams = gauge(
             "async_engine:engine_streams",
             "Output streams the engine keeps for readers (0 when idle, or a leak)",
-            m,
-            registry=reg,
         )
-        self.device_up = Gauge(
+        self.device_up = gauge(
             "async_engine:device_up",
             "1 while the device serves; 0 while it restarts after a loss or has failed",
-            m,
-            registry=reg,
         )
-        self.device_restarts = Counter(
-            "async_engine:device_restarts", "Devices replaced after a loss", m, registry=reg
+        self.device_restarts = counter(
+            "async_engine:device_restarts", "Devices replaced after a loss"
         )
-        self.cancel_lag = Histogram(
+        self.cancel_lag = histogram(
             "async_engine:cancellation_lag_seconds",
             "From abort to the request's KV blocks back in the pool",
-            m,
-            buckets=LAG_BUCKETS,
-            registry=reg,
+            LAG_BUCKETS,
         )
-        self.wasted = Counter(
-            "async_engine:wasted_tokens",
-            "Tokens computed for requests that had already ended",
-            m,
-            registry=reg,
+        self.wasted = counter(
+            "async_engine:wasted_tokens", "Tokens computed for requests that had already ended"
         )
-        self.fragmentation = Gauge(
-            "async_engine:kv_fragmentation",
-            "Share of allocated KV slots holding no token",
-            m,
-            registry=reg,
+        self.fragmentation = gauge(
+            "async_engine:kv_fragmentation", "Share of allocated KV slots holding no token"
         )
-        self.tenant_e2e = Histogram(
+        self.tenant_e2e = histogram(
             "async_engine:tenant_e2e_request_latency_seconds",
             "End-to-end request latency by tenant",
-            m + ["tenant"],
-            buckets=REQUEST_BUCKETS,
-            registry=reg,
+            REQUEST_BUCKETS,
+            "tenant",
         )
-        self.tenant_ttft = Histogram(
+        self.tenant_ttft = histogram(
             "async_engine:tenant_time_to_first_token_seconds",
             "Time to first token by tenant",
-            m + ["tenant"],
-            buckets=TTFT_BUCKETS,
-            registry=reg,
+            TTFT_BUCKETS,
+            "tenant",
         )
         self.tenant_itl = BulkHistogram(
             "async_engine:tenant_inter_token_latency_seconds",
@@ -170,11 +145,11 @@ class ServerMetrics:
             ITL_BUCKETS,
             reg,
         )
-        self.tenant_service = Counter(
+        self.tenant_service = counter(
             "async_engine:tenant_service_tokens",
             "Tokens served by tenant: prompt tokens computed, output tokens generated",
-            m + ["tenant", "kind"],
-            registry=reg,
+            "tenant",
+            "kind",
         )
         # Create every model-labelled series now, so that counters read 0 before their first event.
         for metric in (
@@ -195,13 +170,32 @@ class ServerMetrics:
             self.fragmentation,
         ):
             metric.labels(model_name)
+        for reason in FINISHED_REASONS:  # as vLLM: every reason's series exists from the start
+            self.success.labels(model_name, reason)
         self.itl.observe_many((model_name,), ())
         self.tenants = TenantLabels(MAX_TENANTS)
         self._last_counts: dict[str, int] = {}
         self._last_phase: dict[str, float] = {}
         self._awaiting_release: list[Request] = []
 
+    def describe_cache(self, num_gpu_blocks: int) -> None:
+        """Label ``vllm:cache_config_info`` with the KV cache's block count (once it is known,
+        and again should it change)."""
+        if num_gpu_blocks == self._num_gpu_blocks:
+            return
+        self._num_gpu_blocks = num_gpu_blocks
+        self.cache_config.clear()
+        self.cache_config.labels(self.model_name, str(self.block_size), str(num_gpu_blocks)).set(1)
+
     # ------------------------------------------------------------ per request
+    def on_release(self, children: list[Request]) -> None:
+        """A request group's children, once its front end let go of them (``core.group``)."""
+        for req in children:
+            try:
+                self.on_request_end(req)
+            except Exception:  # a metrics bug must not fail the request's stream or answer
+                log.exception("metrics.request_end_failed", request_id=req.request_id)
+
     def on_request_end(self, req: Request) -> None:
         """Record a request the server is done with (finished, aborted or failed)."""
         name = self.model_name
@@ -250,6 +244,7 @@ class ServerMetrics:
         """Copy the engine's state into the gauges; call from the engine's event loop."""
         name = self.model_name
         stats = engine.stats()
+        self.describe_cache(stats.kv_blocks_total)
         self.running.labels(name).set(stats.running)
         self.waiting.labels(name).set(stats.waiting)
         self.kv_usage.labels(name).set(stats.kv_usage)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from async_engine.core.group import RequestGroup, submit
+from async_engine.core.group import RequestGroup
 from async_engine.core.output import RequestDelta
 from async_engine.server.auth import NotAllowed, Principal, scoped
 from async_engine.server.codec import accepted as accepted_msg
@@ -118,7 +118,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         if scoped_id in self.calls:
             raise already_exists(rid)
         try:
-            samples = submit(self.engine, sub.prompt, sub.params, scoped_id, options)
+            samples = self.state.submit(sub.prompt, sub.params, scoped_id, options)
         except Exception as exc:
             raise refusal(exc, rid, sub.prompt_field) from None
         call = self.calls[scoped_id] = _Call(rid, scoped_id, samples)
@@ -149,9 +149,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 seq += 1
 
     def _end(self, call: _Call, bound: structlog.typing.FilteringBoundLogger) -> None:
-        call.group.release()  # aborts what still runs: the client is gone
+        call.group.release()  # aborts what still runs; its metrics are recorded there
         for req in call.group.children:
-            self.state.metrics.on_request_end(req)
             reason = req.finish_reason.value if req.finish_reason else None
             bound.info(
                 "request.finished",
@@ -201,7 +200,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def GetLoad(
         self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> pb.Load:
-        stats = self.engine.stats()
+        stats = self.engine.stats()  # HTTP /get_load: running + waiting of the same stats
         return pb.Load(
             running=stats.running,
             waiting=stats.waiting,

@@ -53,9 +53,10 @@ class Policy:
     - ``charge_prompt(req, n)`` and ``charge_output(reqs)``: service, called only where
       ``charges_service`` is True. ``charge_prompt``: ``n`` tokens of a running request
       planned from ``req.num_computed_tokens``, before the plan moves it (admissions are
-      charged by ``admitted``). ``charge_output``: each of ``reqs`` got one token, once per
-      step in bulk; ``output_charger(reqs)``: the same as a function, for a batch that
-      stays the same for many steps.
+      charged by ``admitted``). ``charge_output(reqs, tokens)``: each of ``reqs`` got
+      ``tokens`` tokens (-1 takes a charge back), once per step in bulk;
+      ``output_charger(reqs, tokens)``: the same as a function, for a batch that stays the
+      same for many steps.
 
     No hook may cost a policy that keeps no per-request state anything per request per
     step: the scheduler skips the charges where ``charges_service`` is False, and the
@@ -105,14 +106,14 @@ class Policy:
     def charge_prompt(self, req: Request, n: int) -> None:
         pass
 
-    def charge_output(self, reqs: list[Request]) -> None:
+    def charge_output(self, reqs: list[Request], tokens: int = 1) -> None:
         pass
 
-    def output_charger(self, reqs: list[Request]) -> Callable[[], None]:
+    def output_charger(self, reqs: list[Request], tokens: int = 1) -> Callable[[], None]:
         """A function that charges each of ``reqs`` one output token, called once per step
         while the batch stays the same (a steady decode run, ``core/steady.py``): a policy
         may work out per batch what ``charge_output`` works out per step."""
-        return functools.partial(self.charge_output, reqs)
+        return functools.partial(self.charge_output, reqs, tokens)
 
     def tenant_depths(
         self, requests: Iterable[Request], limit: int = 64

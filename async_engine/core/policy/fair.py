@@ -231,21 +231,21 @@ class FairPolicy(Policy):
             t = self.tenants[req.tenant]
             t.counter += (min(start + n, prompt) - start) * t.prompt_cost
 
-    def charge_output(self, reqs: list[Request]) -> None:
+    def charge_output(self, reqs: list[Request], tokens: int = 1) -> None:
         tenants = self.tenants
         for req in reqs:
             t = tenants.get(req.tenant)  # an ended tenant's idle entry may be evicted
             if t is not None:
-                t.counter += t.output_cost
+                t.counter += tokens * t.output_cost
 
-    def output_charger(self, reqs: list[Request]) -> Callable[[], None]:
+    def output_charger(self, reqs: list[Request], tokens: int = 1) -> Callable[[], None]:
         """Per tenant of the batch, its requests' output cost, added once per step. (The
         batch's tenants run throughout, so none of their entries is evicted meanwhile.)"""
         per_tenant: dict[str, int] = {}
         for req in reqs:
             per_tenant[req.tenant] = per_tenant.get(req.tenant, 0) + 1
         charges = [
-            (t, count * t.output_cost)
+            (t, tokens * count * t.output_cost)
             for name, count in per_tenant.items()
             if (t := self.tenants.get(name)) is not None
         ]

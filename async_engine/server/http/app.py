@@ -13,6 +13,7 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
+import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -29,6 +30,7 @@ from async_engine.server.http.protocol import chat_request, completion_request
 from async_engine.server.stalls import StalledStreams
 from async_engine.server.state import ServingState
 
+log = structlog.get_logger("async_engine.server.http")
 # JSON can carry a surrogate code point only as a \uD800-\uDFFF escape, or as the CESU-8
 # bytes json.loads lets through (ED A0..BF): Python strings hold it, no tokenizer takes it.
 JSON_TYPES = ("application/json", "*/*", "")  # no Content-Type at all is taken as JSON
@@ -53,6 +55,7 @@ class OpenAIApp:
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
+                Route("/get_load", self.get_load, methods=["GET"]),
             ],
             exception_handlers={HTTPException: _http_exception},
         )
@@ -93,13 +96,24 @@ class OpenAIApp:
         return await self._generate(request, chat=True)
 
     async def health(self, request: Request) -> Response:
-        if self.state.draining or self.engine.device_state is not DeviceState.SERVING:
+        state = self.state
+        if state.draining or state.warming or self.engine.device_state is not DeviceState.SERVING:
             return PlainTextResponse("not serving", status_code=503)
         return PlainTextResponse("ok")
 
     async def metrics(self, request: Request) -> Response:
+        # On the engine's loop, so the gauges can be read now rather than up to a refresh
+        # interval ago (the separate metrics port's thread cannot read the engine).
+        try:
+            self.state.metrics.refresh(self.engine)
+        except Exception:  # a metrics bug must not hide the metrics: serve the last values
+            log.exception("metrics.refresh_failed")
         body = generate_latest(self.state.metrics.registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    async def get_load(self, request: Request) -> Response:
+        """What vllm-router's power-of-two policy polls; unauthenticated, as /metrics is."""
+        return JSONResponse({"load": self.state.load()})
 
     # ---------------------------------------------------------- generation
     async def _generate(self, request: Request, chat: bool) -> Response:
@@ -157,7 +171,7 @@ class OpenAIApp:
             if request_id is not None and not (request_id.isascii() and request_id.isprintable()):
                 # Header bytes arrive as latin-1: anything else would be echoed garbled.
                 raise bad_request("x-request-id must be printable ASCII", "x-request-id")
-            gen = OpenAIGeneration(self.engine, sub, chat, request_id, principal)
+            gen = OpenAIGeneration(self.state, sub, chat, request_id, principal)
             gen.submit()
         except HttpError as exc:
             return exc.response()

@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from async_engine.core.engine import AsyncEngine
-from async_engine.core.group import RequestGroup, RequestOptions, submit
+from async_engine.core.group import RequestGroup, RequestOptions
 from async_engine.core.output import RequestDelta
 from async_engine.server.auth import Principal, scoped
 from async_engine.server.http.failures import failure, refusal
 from async_engine.server.http.protocol import HttpSubmission, finish_reason, usage
 from async_engine.server.http.tools import ToolStream
+from async_engine.server.state import ServingState
 
 
 @dataclass(slots=True)
@@ -33,18 +33,18 @@ class OpenAIGeneration:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        state: ServingState,
         sub: HttpSubmission,
         chat: bool,
         request_id: str | None,
         principal: Principal | None = None,
     ) -> None:
-        self.engine, self.sub, self.chat = engine, sub, chat
+        self.state, self.engine, self.sub, self.chat = state, state.engine, sub, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + (request_id or uuid.uuid4().hex)
         # Engine ids are scoped to the caller: another principal's ids are not visible.
         self.engine_id = scoped(principal, self.id)
         self.created = int(time.time())
-        self.group = RequestGroup(engine, self.engine_id, [])  # until submitted: none
+        self.group = RequestGroup(self.engine, self.engine_id, [])  # until submitted: none
         self.prompt_tokens = self.cached_tokens = 0
 
     def submit(self) -> None:
@@ -58,13 +58,13 @@ class OpenAIGeneration:
             if sub.tools is not None and sub.tools.choice != "none":
                 options.tools = sub.tools.tools
         try:
-            self.group = submit(self.engine, sub.prompt, sub.params, self.engine_id, options)
+            self.group = self.state.submit(sub.prompt, sub.params, self.engine_id, options)
         except Exception as exc:
             raise refusal(exc) from None
         self.prompt_tokens = self.group.children[0].num_prompt_tokens
 
     def release(self) -> None:
-        self.group.release()  # aborts what still runs: the client is gone
+        self.group.release()  # aborts what still runs; its metrics are recorded there
 
     async def deltas(self) -> AsyncIterator[tuple[int, RequestDelta]]:
         async for index, delta in self.group.deltas():
