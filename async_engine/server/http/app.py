@@ -11,6 +11,7 @@ import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import structlog
@@ -27,6 +28,7 @@ from async_engine.server.auth import NotAllowed, Principal
 from async_engine.server.http.errors import HttpError, bad_request
 from async_engine.server.http.generate import OpenAIGeneration
 from async_engine.server.http.protocol import chat_request, completion_request
+from async_engine.server.http.render import render
 from async_engine.server.stalls import StalledStreams
 from async_engine.server.state import ServingState
 
@@ -53,6 +55,14 @@ class OpenAIApp:
                 Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route(
+                    "/v1/completions/render", partial(render, self, chat=False), methods=["POST"]
+                ),
+                Route(
+                    "/v1/chat/completions/render",
+                    partial(render, self, chat=True),
+                    methods=["POST"],
+                ),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
                 Route("/get_load", self.get_load, methods=["GET"]),
