@@ -71,6 +71,19 @@ ALLOWED: dict[str, list[str]] = {
     ],
     # KV events in vLLM's format (pool -> batches -> ZeroMQ); the pool itself stays pure.
     "async_engine/kv_events": ["async_engine.kv_events", "zmq", "msgpack"],
+    "async_engine/ray_serve": [
+        *CORE,
+        "async_engine.ray_serve",
+        "async_engine.server",
+        "ray",
+        "structlog",
+    ],
+    "async_engine/ray_serve/measure.py": [
+        *CORE,
+        "async_engine.ray_serve",
+        "async_engine.bench",
+        "async_engine.cli.options",
+    ],
     "async_engine/server": [
         *CORE,
         "async_engine.server",

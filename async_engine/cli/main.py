@@ -1,4 +1,4 @@
-"""async-engine command line: generate (JSONL batch), serve, client, bench, profile."""
+"""async-engine command line: generate (JSONL batch), serve, serve-ray, client, bench, profile."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import argparse
 import os
 import sys
 
-from async_engine.cli import bench, client, generate, profile, serve
+from async_engine.cli import bench, client, generate, profile, serve, serve_ray
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="async-engine")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (generate, serve, client, bench, profile):
+    for command in (generate, serve, serve_ray, client, bench, profile):
         command.add_parser(sub)
     return parser
 
