@@ -20,17 +20,19 @@ def matmul_only_ms(
     reps: int = 20,
     device: str = "cpu",
     load_format: str = "auto",
+    quantization: str = "none",
 ) -> float:
     """Median ms of one decode step's matmuls (every layer's qkv, o, gate|up and down, and the
     head) at ``batch`` rows, with the model's packed weights and ``threads`` torch threads, on
-    the engine's device and with its weights (``load_format`` "dummy": random ones)."""
+    the engine's device and with its weights (``load_format`` "dummy": random ones) and
+    ``quantization``."""
     from async_engine.model import build_model
     from async_engine.model.llama import linear
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        model = build_model(folder, dtype, device, load_format)
+        model = build_model(folder, dtype, device, load_format, quantization=quantization)
         cfg = model.cfg
         hidden = torch.randn(batch, cfg.hidden_size, device=device).to(model.dtype)
         heads = torch.randn(batch, cfg.num_heads * cfg.head_dim, device=device).to(model.dtype)

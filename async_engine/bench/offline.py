@@ -11,6 +11,7 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
+from async_engine.bench.cpu_info import cpu_info, describe
 from async_engine.bench.offline_table import print_table
 from async_engine.core.workload import Workload
 from sampler.params import SamplingParams
@@ -186,9 +187,12 @@ def cmd_offline(args: argparse.Namespace) -> int:
         args.requests, args.min_prompt, args.max_prompt, args.max_tokens, args.workload_seed
     )
     prompts = work.prompts(vocab)
+    cpu = cpu_info(config.resolved_device())
+    print(describe(cpu))
     print(
         f"workload: {work.num_requests} requests, prompts {work.min_prompt}..{work.max_prompt} "
-        f"tokens, {work.max_tokens} new tokens each, greedy, ignore_eos; dtype {dtype}; "
+        f"tokens, {work.max_tokens} new tokens each, greedy, ignore_eos; dtype {dtype}, "
+        f"quantization {config.quantization}; "
         f"{args.rounds} interleaved rounds per mode"
     )
     results: dict[str, Any] = {}
@@ -213,6 +217,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
                 threads,
                 device=config.resolved_device(),
                 load_format=config.load_format,
+                quantization=config.quantization,
             )
             if args.structured:
                 r["structured_tokens_per_s"] = run_structured(runs, prompts, work.max_tokens)
@@ -220,30 +225,48 @@ def cmd_offline(args: argparse.Namespace) -> int:
     hf = None
     if not (args.skip_hf or simulated):
         hf = run_hf(str(folder), dtype, prompts, work.max_tokens)
-    peer = run_peer(args, prompts, work.max_tokens)
-    print_table(results, hf, roofline="device-bound ideal" if simulated else "roofline", peer=peer)
+    peers = run_peers(args, str(folder), dtype, prompts, work.max_tokens)
+    roofline = "device-bound ideal" if simulated else "roofline"
+    print_table(results, hf, roofline=roofline, peers=peers, cpu=describe(cpu))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"engine": results, "hf": hf, "llama_server": peer}, f, indent=2)
+            json.dump({"engine": results, "hf": hf, "peers": peers, "cpu": cpu}, f, indent=2)
     return 0
 
 
-def run_peer(
-    args: argparse.Namespace, prompts: list[list[int]], max_tokens: int
-) -> dict[str, Any] | None:
-    """llama-server on the same workload, when --llama-server and --gguf name one."""
-    from async_engine.bench.llama_server import PeerMissingError, run_llama_server
+def run_peers(
+    args: argparse.Namespace, folder: str, dtype: str, prompts: list[list[int]], max_tokens: int
+) -> list[dict[str, Any]]:
+    """The peers the flags name, on the same workload: llama-server, then vLLM at each binding.
 
-    if args.llama_server is None and args.gguf is None:
-        return None
-    if args.llama_server is None or args.gguf is None:
+    Each result carries ``name`` (its table row) and ``detail`` (how it ran)."""
+    from async_engine.bench.peers import PeerMissingError
+    from async_engine.bench.peers.llama_server import run_llama_server
+    from async_engine.bench.peers.vllm_cpu import run_vllm, vllm_binds
+
+    peers: list[dict[str, Any]] = []
+    if (args.llama_server is None) != (args.gguf is None):
         print("llama-server peer skipped: give both --llama-server PATH and --gguf FILE")
-        return None
-    try:
-        return run_llama_server(args.llama_server, args.gguf, prompts, max_tokens)
-    except PeerMissingError as exc:
-        print(f"llama-server peer skipped: {exc} (../shared/peers/ builds both)")
-        return None
+    elif args.llama_server is not None:
+        try:
+            r = run_llama_server(args.llama_server, args.gguf, prompts, max_tokens)
+            detail = f"{r['threads']} threads, -np {r['slots']} -cb, {r['gguf']}"
+            peers.append({**r, "name": "llama-server", "detail": detail})
+        except PeerMissingError as exc:
+            print(f"llama-server peer skipped: {exc} (../shared/peers/ builds both)")
+    if args.vllm_python is not None:
+        for bind in vllm_binds(args.vllm_bind):
+            try:
+                r = run_vllm(args.vllm_python, folder, dtype, prompts, max_tokens, bind=bind)
+            except PeerMissingError as exc:
+                print(f"vLLM peer skipped: {exc} (../shared/peers/install-vllm-cpu.sh)")
+                break
+            except RuntimeError as exc:
+                print(f"vLLM peer failed with binding {bind}: {exc}")
+                continue
+            detail = f"{dtype}, eager, VLLM_CPU_OMP_THREADS_BIND={bind}"
+            peers.append({**r, "name": f"vLLM bind={bind}", "detail": detail})
+    return peers
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -260,5 +283,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also run every request under a JSON schema (its cost)",
     )
     p.add_argument("--llama-server", default=None, help="llama-server binary: run it as a peer")
-    p.add_argument("--gguf", default=None, help="GGUF of the same model for --llama-server")
+    p.add_argument(
+        "--gguf", default=None, help="GGUF of the same model for --llama-server (any quant)"
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of a venv with vLLM's CPU build: run vLLM's LLM as a peer",
+    )
+    p.add_argument(
+        "--vllm-bind",
+        default="auto,all",
+        help="comma-separated VLLM_CPU_OMP_THREADS_BIND values to run vLLM at "
+        "('all' = every core; the best is its figure)",
+    )
     p.add_argument("--json", default=None, help="write the figures to this file")

@@ -1,8 +1,9 @@
 """The table `bench offline` prints: each run's throughput, overlap on vs off, the roofline,
-the peers (HF, llama-server), device idle and control-plane time per step by phase."""
+the peers (HF, llama-server, vLLM), device idle and control-plane time per step by phase."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -10,8 +11,14 @@ def print_table(
     results: dict[str, Any],
     hf: dict[str, float] | None,
     roofline: str = "roofline",
-    peer: dict[str, Any] | None = None,
+    peers: Sequence[dict[str, Any]] = (),
+    cpu: str | None = None,
 ) -> None:
+    """``peers``: other engines' runs of the workload (name, tokens_per_s, detail).
+    ``cpu``: the line naming the CPU, its flags and the kernels' ISA (cpu_info.describe),
+    printed above the figures it qualifies."""
+    if cpu is not None:
+        print(cpu)
     cols = list(results)
     width = max(24, *(len(c) + 2 for c in cols))
     print(f"{'':<28}" + "".join(f"{c:>{width}}" for c in cols))
@@ -31,9 +38,9 @@ def print_table(
     )
     if hf is not None:
         row("overlap on / HF", ".2f", [r["on_tokens_per_s"] / hf["tokens_per_s"] for r in get])
-    if peer is not None:
+    for peer in peers:
         ratios = [r["on_tokens_per_s"] / peer["tokens_per_s"] for r in get]
-        row("overlap on / llama-server", ".2f", ratios)
+        row(f"overlap on / {peer['name']}", ".2f", ratios)
     row("steady-decode idle, on", ".2%", [r["on_steady_decode_idle"] for r in get])
     row("steady-decode idle, off", ".2%", [r["off_steady_decode_idle"] for r in get])
     row("device idle, on", ".2%", [r["on_idle"] for r in get])
@@ -62,8 +69,5 @@ def print_table(
         row("  step / matmul-only", ".2f", [r["full_decode_ms"] / r["matmul_only_ms"] for r in get])
     if hf is not None:
         print(f"HF transformers generate_batch: {hf['tokens_per_s']:.1f} tokens/s")
-    if peer is not None:
-        print(
-            f"llama-server ({peer['threads']} threads, -np {peer['slots']} -cb): "
-            f"{peer['tokens_per_s']:.1f} tokens/s"
-        )
+    for peer in peers:
+        print(f"{peer['name']} ({peer['detail']}): {peer['tokens_per_s']:.1f} tokens/s")

@@ -36,6 +36,7 @@ def cpu_has_fast_bf16() -> bool:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "sim")
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("none", "int8")  # async_engine/model/quantization.py
 DEVICE_RUNNERS = ("auto", "sync", "pipelined")
 KV_EVENT_ENCODINGS = ("map", "array")
 ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
@@ -51,6 +52,12 @@ class EngineConfig:
     dtype: str = _opt("auto", "weights and activations (auto: bfloat16 where fast)", DTYPES)
     device: str = _opt("auto", "where steps run (sim: a modelled device, no weights)", DEVICES)
     load_format: str = _opt("auto", "dummy: random weights from config.json alone", LOAD_FORMATS)
+    quantization: str = _opt(
+        "none",
+        "int8: the layers' matmul weights in int8 (per-channel scales, set at load) and their "
+        "inputs per token, a few outlier channels kept in float; CPU only",
+        QUANTIZATIONS,
+    )
     overlap: bool = _opt(
         True,
         "plan step N+1 while step N runs (see --planning); off: plan after each step, always",
@@ -133,6 +140,7 @@ class EngineConfig:
             ("dtype", DTYPES),
             ("device", DEVICES),
             ("load_format", LOAD_FORMATS),
+            ("quantization", QUANTIZATIONS),
             ("device_runner", DEVICE_RUNNERS),
             ("scheduling_policy", POLICIES),
             ("planning", PLANNINGS),
@@ -151,6 +159,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.quantization == "int8" and self.device == "cuda":
+            raise ValueError("quantization int8 runs on the CPU device only, not 'cuda'")
         self.resolved_tenant_weights()  # raises on a bad spec
         self._check_kv_events()
         overflow = self.fair_overflow_seqs

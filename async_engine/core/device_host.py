@@ -88,6 +88,7 @@ class DeviceHost:
             self.kind,
             load_format=config.load_format,
             seed=config.seed,
+            quantization=config.quantization,
         )
         has_tokenizer = any(
             (self.model_path / name).exists() for name in ("tokenizer.json", "tokenizer.model")

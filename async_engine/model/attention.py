@@ -2,7 +2,8 @@
 
 Each layer writes this step's K/V into the cache, then attends as the step's
 ``AttentionPlan`` (``attention_plan``) laid out: the Triton kernels, the CPU kernels reading
-the cache in place, or torch (batched decode, one SDPA call per prefill).
+the cache in place, or torch (batched decode, one SDPA call per prefill), the fallback where
+no CPU kernel takes the dtypes and head size (no compiler, or an odd head size).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend; returns [T, H * D]."""
     _, _, kv_heads, head_dim = k_cache.shape
+    if k.dtype != k_cache.dtype:  # a half-precision cache under a float32 model
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     # On a GPU cuda/kv_cache.cu writes both caches in one launch; elsewhere (or without
     # CuPy) two index copies, which a CUDA graph can capture too.
     if not (
@@ -71,8 +74,8 @@ def paged_attention(
         # 4-D on purpose: with 3-D inputs and GQA, SDPA falls back to its ~3x slower math path.
         out = F.scaled_dot_product_attention(
             q[rows].transpose(0, 1)[None],
-            k_seq.transpose(0, 1)[None],
-            v_seq.transpose(0, 1)[None],
+            k_seq.transpose(0, 1)[None].to(q.dtype),
+            v_seq.transpose(0, 1)[None].to(q.dtype),
             attn_mask=p.mask,
             is_causal=p.mask is None,
             enable_gqa=True,
@@ -100,8 +103,8 @@ def _decode(
     # The G query heads sharing a KV head act as G query rows against it: GQA without
     # repeating K/V, and q keeps its memory layout (head h = kv * G + g).
     q = q.reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
-    k = _gather(k_cache, plan.decode_blocks).transpose(1, 2)  # [B, KV, L, D]
-    v = _gather(v_cache, plan.decode_blocks).transpose(1, 2)
+    k = _gather(k_cache, plan.decode_blocks).transpose(1, 2).to(q.dtype)  # [B, KV, L, D]
+    v = _gather(v_cache, plan.decode_blocks).transpose(1, 2).to(q.dtype)
     if not plan.decode_bmm:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask)
     # Two batched matmuls over contiguous per-head K/V: ~1.7x faster than the fused CPU kernel

@@ -94,9 +94,11 @@ class AttentionPlan:
         decode_bmm: bool,
         cache: torch.Tensor | None = None,
         triton: bool | None = None,
+        q_dtype: torch.dtype | None = None,
     ) -> AttentionPlan:
         """``cache`` (a layer's K cache: its size, dtype and device) lets the CPU kernels read
-        the paged cache in place where they apply. ``triton`` runs the step in the Triton
+        the paged cache in place where they take its dtype and ``q_dtype`` (the model's,
+        default the cache's). ``triton`` runs the step in the Triton
         kernels; None picks them for a CUDA cache where they load (tests force them on CPU
         tensors under Triton's interpreter)."""
         q_lens, ctx_lens = batch.query_lens, batch.context_lens
@@ -108,9 +110,9 @@ class AttentionPlan:
         if triton is None:
             triton = cache is not None and cache.is_cuda and gpu_kernels.available()
         device = batch.block_tables.device
-        kernel_cache = cache if cache is not None and _kernels_apply(cache) else None
+        kernel_cache = cache if cache is not None and _kernels_apply(cache, q_dtype) else None
         in_kernel = kernel_cache is not None and cpu_kernels.prefill_supported(
-            kernel_cache.dtype, kernel_cache.shape[-1]
+            q_dtype or kernel_cache.dtype, kernel_cache.dtype, kernel_cache.shape[-1]
         )
         starts, decode, prefills, in_kernel_rows = [], [], [], []
         start = 0
@@ -196,12 +198,10 @@ def _triton_plan(
     )
 
 
-def _kernels_apply(cache: torch.Tensor) -> bool:
-    """Whether the CPU kernels can read this cache in place."""
-    return (
-        cache.device.type == "cpu"
-        and cache.dtype in cpu_kernels.KERNEL_DTYPES
-        and cpu_kernels.available()
+def _kernels_apply(cache: torch.Tensor, q_dtype: torch.dtype | None) -> bool:
+    """Whether the CPU decode kernel reads this cache in place for queries of ``q_dtype``."""
+    return cache.device.type == "cpu" and cpu_kernels.decode_supported(
+        q_dtype or cache.dtype, cache.dtype, cache.shape[-1]
     )
 
 

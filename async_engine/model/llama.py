@@ -59,7 +59,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | nn.Module, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    if isinstance(weight, nn.Module):  # a quantized layer (quantization.py) in the weight's place
+        return weight(x, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -71,7 +75,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     oneDNN otherwise re-blocks the weight on every call: packing once makes decode-sized
     matmuls ~20% faster in bf16 and ~2x in float32 (measured on AVX-512 with one thread).
     """
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    if isinstance(weight, nn.Module) or weight.device.type != "cpu":  # quantized: packed already
+        return weight
+    if not torch.backends.mkldnn.is_available():
         return weight
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
@@ -120,7 +126,7 @@ class DecoderLayer(nn.Module):
         plan: AttentionPlan,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        fused = cpu_kernels.elementwise_apply(x)  # bf16 on CPU: one pass per elementwise op
+        fused = cpu_kernels.elementwise_apply(x)  # CPU, float32 or bf16: one pass per op
         norm = cpu_kernels.rms_norm if fused else rms_norm
         qkv = linear(norm(x, self.input_norm, self.eps), self.qkv, self.qkv_bias)
         qk = qkv[:, : self.qk_heads * self.head_dim].view(tokens, self.qk_heads, self.head_dim)
@@ -143,9 +149,17 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
+        # The KV cache's dtype: the model's, or bf16/fp16 under a float32 model on a CPU: half
+        # the memory, and half the bytes the attention kernels read (they widen as they load).
+        self.kv_dtype = kv_dtype or dtype
         self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size, dtype=dtype)
@@ -166,8 +180,8 @@ class LlamaModel(nn.Module):
         device = self.embed.device
         return [
             (
-                torch.zeros(shape, dtype=self.dtype, device=device),
-                torch.zeros(shape, dtype=self.dtype, device=device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=device),
             )
             for _ in range(self.cfg.num_layers)
         ]
@@ -178,7 +192,7 @@ class LlamaModel(nn.Module):
             raise ValueError(f"kv_cache has {len(kv_cache)} layers, model has {len(self.layers)}")
         k_cache = kv_cache[0][0]
         plan = batch.attention or AttentionPlan.build(
-            batch, k_cache.shape[1], self.decode_bmm, k_cache
+            batch, k_cache.shape[1], self.decode_bmm, k_cache, q_dtype=self.dtype
         )
         cos, sin = self._rope(batch.positions)
         x = F.embedding(batch.input_ids, self.embed)

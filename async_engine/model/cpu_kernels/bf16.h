@@ -1,6 +1,11 @@
 // Helpers shared by the CPU attention kernels: bf16 <-> float32, a vectorisable exp, and
-// (with AVX512-BF16) vector loads, a 16-way horizontal sum and a row prefetch.
+// (with AVX-512) a 16-way horizontal sum, (with AVX512-BF16) vector loads and a row prefetch.
 #pragma once
+// GCC 12's AVX-512 intrinsics start from `__m512 __Y = __Y;` (_mm512_undefined_ps), which
+// -Wall reports as maybe-uninitialized at every inlined use (GCC bug 105593, fixed in 13).
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -49,8 +54,7 @@ inline void store(uint16_t* p, int64_t i, float x) {
     p[i] = static_cast<uint16_t>(bits >> 16);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#define KERNELS_BF16_FAST 1
+#if defined(__AVX512F__)
 // Lane i of the result: the sum of v[i]'s 16 lanes.
 inline __m512 sum16(const __m512* v) {
     __m512 u[4];
@@ -74,6 +78,10 @@ inline __m512 sum16(const __m512* v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88),
                          _mm512_shuffle_f32x4(x01, x23, 0xDD));
 }
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define KERNELS_BF16_FAST 1
 
 inline __m512bh load_bf16x32(const uint16_t* p) {
     return (__m512bh)_mm512_loadu_si512(static_cast<const void*>(p));

@@ -1,7 +1,12 @@
 // Decode attention that reads the paged KV cache in place (no gather), for the CPU device.
 //
-// One query token per sequence. Work is split over sequences with OpenMP; each K/V
-// position's row (every KV head, contiguous in the cache) is loaded once for all heads. Scores and the softmax are kept in float32 whatever the cache dtype.
+// One query token per sequence; scores and the softmax in float32 whatever the cache dtype.
+// Three implementations, the first that applies runs (see paged_decode at the end):
+// bf16 dot products on AVX512-BF16 (here), float32 vectors on AVX2 or AVX-512 with bf16 or
+// fp16 caches widened in registers (paged_decode_vec.cpp), and generic loops (here) that the
+// compiler vectorises as it can, for other CPUs and head sizes. The generic loops split
+// work over sequences with OpenMP; each K/V position's row (every KV head, contiguous in the
+// cache) is loaded once for all heads.
 //
 // Layouts (contiguous, row-major):
 //   q            [B, H, D]
@@ -12,6 +17,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "kernels.h"
 
 namespace {
 using namespace kernels;
@@ -52,9 +58,10 @@ inline float dot(const float* a, const float* b, int n) {
 }
 
 template <typename T>
-void paged_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
-                  int64_t max_blocks, const int64_t* context_lens, int batch, int heads,
-                  int kv_heads, int head_dim, int block_size, float scale, T* out) {
+void paged_decode_generic(const T* q, const T* k_cache, const T* v_cache,
+                          const int64_t* block_tables, int64_t max_blocks,
+                          const int64_t* context_lens, int batch, int heads, int kv_heads,
+                          int head_dim, int block_size, float scale, T* out) {
     const int group = heads / kv_heads;
     const int row_width = kv_heads * head_dim;  // one KV position, every KV head: contiguous
     const int64_t block_stride = static_cast<int64_t>(row_width) * block_size;
@@ -214,7 +221,8 @@ bool paged_decode_fast(const uint16_t* q, const uint16_t* k_cache, const uint16_
         std::vector<int64_t> offsets(ctx);
         for (int64_t pos = 0, block = 0; pos < ctx; pos += block_size, ++block) {
             const int64_t n = ctx - pos < block_size ? ctx - pos : block_size;
-            for (int64_t j = 0; j < n; ++j) offsets[pos + j] = table[block] * block_stride + j * row_width;
+            const int64_t base = table[block] * block_stride;
+            for (int64_t j = 0; j < n; ++j) offsets[pos + j] = base + j * row_width;
         }
         std::vector<float> scores(static_cast<size_t>(heads) * ctx);
         std::vector<float> acc(static_cast<size_t>(heads) * head_dim);
@@ -239,25 +247,42 @@ bool paged_decode_fast(const uint16_t*, const uint16_t*, const uint16_t*, const 
 }  // namespace
 
 extern "C" {
+#pragma GCC visibility push(default)  // the entry points; all else hidden
 
-void paged_decode_f32(const float* q, const float* k_cache, const float* v_cache,
-                      const int64_t* block_tables, int64_t max_blocks,
-                      const int64_t* context_lens, int batch, int heads, int kv_heads,
-                      int head_dim, int block_size, float scale, float* out) {
-    paged_decode(q, k_cache, v_cache, block_tables, max_blocks, context_lens, batch, heads,
-                 kv_heads, head_dim, block_size, scale, out);
+// 1 where paged_decode runs for these dtype codes (kernels.h) and head_dim, else 0.
+int paged_decode_supported(int q_type, int kv_type, int head_dim) {
+    const auto qt = static_cast<DType>(q_type), kt = static_cast<DType>(kv_type);
+    const bool generic = qt == kt && (qt == F32 || qt == BF16);  // any head_dim
+    return generic || vec_supported(qt, kt, head_dim);
 }
 
-void paged_decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
-                       const int64_t* block_tables, int64_t max_blocks,
-                       const int64_t* context_lens, int batch, int heads, int kv_heads,
-                       int head_dim, int block_size, float scale, uint16_t* out) {
-    if (paged_decode_fast(q, k_cache, v_cache, block_tables, max_blocks, context_lens, batch,
-                          heads, kv_heads, head_dim, block_size, scale, out)) {
+// Decode attention; the caller checked paged_decode_supported. The bf16 dot products of
+// AVX512-BF16 first, then the float32 vector kernels, then the generic loops.
+void paged_decode(int q_type, int kv_type, const void* q, const void* k_cache,
+                  const void* v_cache, const int64_t* block_tables, int64_t max_blocks,
+                  const int64_t* context_lens, int batch, int heads, int kv_heads, int head_dim,
+                  int block_size, float scale, void* out) {
+    const auto qt = static_cast<DType>(q_type), kt = static_cast<DType>(kv_type);
+    using u16 = uint16_t;
+    if (qt == BF16 && kt == BF16 &&
+        paged_decode_fast(static_cast<const u16*>(q), static_cast<const u16*>(k_cache),
+                          static_cast<const u16*>(v_cache), block_tables, max_blocks,
+                          context_lens, batch, heads, kv_heads, head_dim, block_size, scale,
+                          static_cast<u16*>(out))) {
         return;
     }
-    paged_decode(q, k_cache, v_cache, block_tables, max_blocks, context_lens, batch, heads,
-                 kv_heads, head_dim, block_size, scale, out);
+    const Paged cache{k_cache, v_cache, block_tables, max_blocks, kv_heads, head_dim, block_size};
+    if (decode_vec(qt, kt, q, cache, context_lens, batch, heads, scale, out)) return;
+    if (qt == F32 && kt == F32) {
+        paged_decode_generic(static_cast<const float*>(q), static_cast<const float*>(k_cache),
+                     static_cast<const float*>(v_cache), block_tables, max_blocks, context_lens,
+                     batch, heads, kv_heads, head_dim, block_size, scale, static_cast<float*>(out));
+    } else if (qt == BF16 && kt == BF16) {
+        paged_decode_generic(static_cast<const u16*>(q), static_cast<const u16*>(k_cache),
+                     static_cast<const u16*>(v_cache), block_tables, max_blocks, context_lens,
+                     batch, heads, kv_heads, head_dim, block_size, scale, static_cast<u16*>(out));
+    }
 }
 
+#pragma GCC visibility pop
 }  // extern "C"

@@ -1,4 +1,5 @@
-// Causal attention for prefill chunks over the paged KV cache, bf16, for the CPU device.
+// Causal attention for prefill chunks over the paged KV cache, for the CPU device: the bf16
+// kernel for AVX512-BF16 here, the float32 vector one (AVX2, AVX-512) in paged_prefill_vec.cpp.
 //
 // A flash-attention loop: each task takes up to 32 query tokens of one sequence and the G
 // query heads of one KV head (so 32 G query rows share every K/V tile it builds), walks the
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "kernels.h"
 
 namespace {
 using namespace kernels;
@@ -142,7 +144,8 @@ void prefill_task(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
             }
             __m512 o[RB][DV];
             for (int i = 0; i < RB; ++i) {
-                const float* ar = acc.data() + static_cast<int64_t>(r0 + i < rows ? r0 + i : r0) * D;
+                const int r = r0 + i < rows ? r0 + i : r0;
+                const float* ar = acc.data() + static_cast<int64_t>(r) * D;
                 for (int c = 0; c < DV; ++c) {
                     o[i][c] = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * c), _mm512_set1_ps(alpha[i]));
                 }
@@ -176,54 +179,78 @@ void prefill_task(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
 }
 #endif
 
-}  // namespace
-
-extern "C" {
-
-// 1 where paged_prefill_bf16 runs for this head_dim on this build, else 0.
-int paged_prefill_supported(int head_dim) {
+// The bf16 dot-product kernel over every chunk, for head_dim 64 or 128.
+bool prefill_bf16_fast(const uint16_t* q, const Paged& cache, const Chunks& chunks, int heads,
+                       float scale, uint16_t* out) {
 #if defined(KERNELS_BF16_FAST)
-    return head_dim == 64 || head_dim == 128;
-#else
-    (void)head_dim;
-    return 0;
-#endif
-}
-
-void paged_prefill_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
-                        const int64_t* block_tables, int64_t max_blocks, const int64_t* q_starts,
-                        const int64_t* q_lens, const int64_t* ctx_lens, int num_seqs, int heads,
-                        int kv_heads, int head_dim, int block_size, float scale, uint16_t* out) {
-#if defined(KERNELS_BF16_FAST)
+    const int head_dim = cache.head_dim;
+    if (head_dim != 64 && head_dim != 128) return false;
     struct Task {
         int seq, kvh;
         int64_t t0;
     };
-    std::vector<Seq> seqs(num_seqs);
+    std::vector<Seq> seqs(chunks.num_seqs);
     std::vector<Task> tasks;
-    for (int s = 0; s < num_seqs; ++s) {
-        seqs[s] = {q_starts[s], q_lens[s], ctx_lens[s], block_tables + s * max_blocks};
+    for (int s = 0; s < chunks.num_seqs; ++s) {
+        const int64_t q_len = chunks.q_lens[s];
+        seqs[s] = {chunks.q_starts[s], q_len, chunks.ctx_lens[s],
+                   cache.block_tables + s * cache.max_blocks};
         // Longest first (the last tokens see the most keys), so the threads finish together.
-        for (int64_t t0 = (q_lens[s] - 1) / QTILE * QTILE; t0 >= 0; t0 -= QTILE)
-            for (int kvh = 0; kvh < kv_heads; ++kvh) tasks.push_back({s, kvh, t0});
+        for (int64_t t0 = (q_len - 1) / QTILE * QTILE; t0 >= 0; t0 -= QTILE)
+            for (int kvh = 0; kvh < cache.kv_heads; ++kvh) tasks.push_back({s, kvh, t0});
     }
+    const auto* k_cache = static_cast<const uint16_t*>(cache.k_cache);
+    const auto* v_cache = static_cast<const uint16_t*>(cache.v_cache);
     const int64_t n = static_cast<int64_t>(tasks.size());
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
         const Task& task = tasks[i];
         if (head_dim == 64) {
             prefill_task<4>(q, k_cache, v_cache, seqs[task.seq], task.kvh, task.t0, heads,
-                            kv_heads, block_size, scale, out);
+                            cache.kv_heads, cache.block_size, scale, out);
         } else {
             prefill_task<8>(q, k_cache, v_cache, seqs[task.seq], task.kvh, task.t0, heads,
-                            kv_heads, block_size, scale, out);
+                            cache.kv_heads, cache.block_size, scale, out);
         }
     }
+    return true;
 #else
-    (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)max_blocks;
-    (void)q_starts, (void)q_lens, (void)ctx_lens, (void)num_seqs, (void)heads;
-    (void)kv_heads, (void)head_dim, (void)block_size, (void)scale, (void)out;
+    (void)q, (void)cache, (void)chunks, (void)heads, (void)scale, (void)out;
+    return false;
 #endif
 }
 
+}  // namespace
+
+extern "C" {
+#pragma GCC visibility push(default)  // the entry points; all else hidden
+
+// 1 where paged_prefill runs for these dtype codes (kernels.h) and head_dim, else 0.
+int paged_prefill_supported(int q_type, int kv_type, int head_dim) {
+    const auto qt = static_cast<DType>(q_type), kt = static_cast<DType>(kv_type);
+#if defined(KERNELS_BF16_FAST)
+    if (qt == BF16 && kt == BF16 && (head_dim == 64 || head_dim == 128)) return 1;
+#endif
+    return vec_supported(qt, kt, head_dim);
+}
+
+// Causal prefill attention; the caller checked paged_prefill_supported. The bf16 dot
+// products of AVX512-BF16 where they apply, else the float32 vector kernels.
+void paged_prefill(int q_type, int kv_type, const void* q, const void* k_cache,
+                   const void* v_cache, const int64_t* block_tables, int64_t max_blocks,
+                   const int64_t* q_starts, const int64_t* q_lens, const int64_t* ctx_lens,
+                   int num_seqs, int heads, int kv_heads, int head_dim, int block_size,
+                   float scale, void* out) {
+    const auto qt = static_cast<DType>(q_type), kt = static_cast<DType>(kv_type);
+    const Paged cache{k_cache, v_cache, block_tables, max_blocks, kv_heads, head_dim, block_size};
+    const Chunks chunks{q_starts, q_lens, ctx_lens, num_seqs};
+    if (qt == BF16 && kt == BF16 &&
+        prefill_bf16_fast(static_cast<const uint16_t*>(q), cache, chunks, heads, scale,
+                          static_cast<uint16_t*>(out))) {
+        return;
+    }
+    prefill_vec(qt, kt, q, cache, chunks, heads, scale, out);
+}
+
+#pragma GCC visibility pop
 }  // extern "C"

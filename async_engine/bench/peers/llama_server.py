@@ -20,9 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-
-class PeerMissingError(RuntimeError):
-    """The peer binary or its GGUF is not at hand."""
+from async_engine.bench.peers import PeerMissingError
 
 
 def _free_port() -> int:
@@ -120,5 +118,6 @@ def run_llama_server(
         "tokens_per_s": tokens / wall,
         "threads": threads,
         "slots": slots,
+        "gguf": Path(gguf).name,
         "command": " ".join(cmd),
     }
