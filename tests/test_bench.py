@@ -136,10 +136,8 @@ def test_vllm_binding_all_means_every_core():
         vllm_binds(" , ", cores=4)
 
 
-def test_the_table_prints_a_ratio_for_each_peer(capsys):
-    from async_engine.bench.offline_table import print_table
-
-    run = {
+def _run_figures() -> dict:
+    return {
         "on_tokens_per_s": 200.0,
         "off_tokens_per_s": 190.0,
         "roofline_tokens_per_s": 250.0,
@@ -154,6 +152,12 @@ def test_the_table_prints_a_ratio_for_each_peer(capsys):
         "on_decode_control_ms": 0.1,
         "on_wasted_tokens": 0,
     }
+
+
+def test_the_table_prints_a_ratio_for_each_peer(capsys):
+    from async_engine.bench.offline_table import print_table
+
+    run = _run_figures()
     peers = [
         {"name": "llama-server", "tokens_per_s": 100.0, "detail": "2 threads"},
         {"name": "vLLM bind=auto", "tokens_per_s": 50.0, "detail": "eager"},
@@ -162,3 +166,10 @@ def test_the_table_prints_a_ratio_for_each_peer(capsys):
     out = capsys.readouterr().out
     assert "overlap on / llama-server" in out and "overlap on / vLLM bind=auto" in out
     assert "4.00" in out.split("overlap on / vLLM bind=auto")[1].splitlines()[0]
+
+
+def test_the_table_prints_without_peers(capsys):
+    from async_engine.bench.offline_table import print_table
+
+    print_table({"cpu": _run_figures()}, None)
+    assert "overlap on / off" in capsys.readouterr().out

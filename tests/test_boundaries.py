@@ -119,6 +119,8 @@ ALLOWED: dict[str, list[str]] = {
         "prometheus_client",
         "uvloop",
     ],
+    # Runs in vLLM's own interpreter (bench offline --vllm-python): stdlib and vllm only.
+    "async_engine/bench/peers/vllm_driver.py": ["vllm"],
     # make gpu-check's driver runs `bench` and `profile` in process (the GPU host lacks the
     # server's packages) on weights it writes itself.
     "async_engine/bench/gpu_models.py": [

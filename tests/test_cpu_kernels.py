@@ -203,3 +203,10 @@ def test_bench_offline_names_the_cpu_and_the_kernels_isa(isa):
     line = describe(info)
     assert line.startswith("cpu: ") and f"kernels: {cpu_kernels.isa()}" in line
     assert f"ASYNC_ENGINE_CPU_ISA={isa}" in line
+
+
+def test_the_avx2_switch_makes_auto_choose_float32_as_an_avx2_cpu_does(monkeypatch):
+    from async_engine.core.config import EngineConfig
+
+    monkeypatch.setenv("ASYNC_ENGINE_CPU_ISA", "avx2")
+    assert EngineConfig(device="cpu").resolved_dtype() == "float32"

@@ -192,7 +192,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
     print(
         f"workload: {work.num_requests} requests, prompts {work.min_prompt}..{work.max_prompt} "
         f"tokens, {work.max_tokens} new tokens each, greedy, ignore_eos; dtype {dtype}, "
-        f"quantization {config.quantization}; "
+        f"quantization {config.quantization}, KV cache {config.kv_cache_dtype}; "
         f"{args.rounds} interleaved rounds per mode"
     )
     results: dict[str, Any] = {}
@@ -245,15 +245,21 @@ def run_peers(
     from async_engine.bench.peers.vllm_cpu import run_vllm, vllm_binds
 
     peers: list[dict[str, Any]] = []
-    if (args.llama_server is None) != (args.gguf is None):
+    ggufs = args.gguf or []
+    if (args.llama_server is None) != (not ggufs):
         print("llama-server peer skipped: give both --llama-server PATH and --gguf FILE")
     elif args.llama_server is not None:
-        try:
-            r = run_llama_server(args.llama_server, args.gguf, prompts, max_tokens)
-            detail = f"{r['threads']} threads, -np {r['slots']} -cb, {r['gguf']}"
-            peers.append({**r, "name": "llama-server", "detail": detail})
-        except PeerMissingError as exc:
-            print(f"llama-server peer skipped: {exc} (../shared/peers/ builds both)")
+        for gguf in ggufs:
+            try:
+                r = _twice(run_llama_server, args.llama_server, gguf, prompts, max_tokens)
+            except PeerMissingError as exc:
+                print(f"llama-server peer skipped: {exc} (../shared/peers/ builds both)")
+                continue
+            except RuntimeError as exc:
+                print(f"llama-server peer failed on {gguf}: {exc}")
+                continue
+            detail = f"{r['threads']} threads, -np {r['slots']} -cb"
+            peers.append({**r, "name": f"llama-server {r['gguf']}", "detail": detail})
     if args.vllm_python is not None:
         for bind in vllm_binds(args.vllm_bind):
             try:
@@ -267,6 +273,16 @@ def run_peers(
             detail = f"{dtype}, eager, VLLM_CPU_OMP_THREADS_BIND={bind}"
             peers.append({**r, "name": f"vLLM bind={bind}", "detail": detail})
     return peers
+
+
+def _twice(run: Any, *args: Any) -> Any:
+    """A peer that crashed at start (llama-server once segfaulted there, not reproducibly)
+    gets one more try; the first failure is printed."""
+    try:
+        return run(*args)
+    except RuntimeError as exc:
+        print(f"peer failed, trying once more: {exc}")
+        return run(*args)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -284,7 +300,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--llama-server", default=None, help="llama-server binary: run it as a peer")
     p.add_argument(
-        "--gguf", default=None, help="GGUF of the same model for --llama-server (any quant)"
+        "--gguf",
+        action="append",
+        default=None,
+        help="GGUF of the same model for --llama-server (any quantization; repeat for more)",
     )
     p.add_argument(
         "--vllm-python",

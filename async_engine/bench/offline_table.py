@@ -21,10 +21,11 @@ def print_table(
         print(cpu)
     cols = list(results)
     width = max(24, *(len(c) + 2 for c in cols))
-    print(f"{'':<28}" + "".join(f"{c:>{width}}" for c in cols))
+    label = max([28, *(len(f"overlap on / {p['name']}") + 2 for p in peers)])
+    print(f"{'':<{label}}" + "".join(f"{c:>{width}}" for c in cols))
 
     def row(name: str, fmt: str, values: list[float]) -> None:
-        print(f"{name:<28}" + "".join(f"{format(v, fmt):>{width}}" for v in values))
+        print(f"{name:<{label}}" + "".join(f"{format(v, fmt):>{width}}" for v in values))
 
     get = [results[c] for c in cols]
     row("tokens/s, overlap on", ".1f", [r["on_tokens_per_s"] for r in get])

@@ -24,7 +24,12 @@ def default_device() -> str:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """bfloat16 matmuls are fast where the CPU has AVX512-BF16 or AMX; float32 elsewhere."""
+    """bfloat16 matmuls are fast where the CPU has AVX512-BF16 or AMX; float32 elsewhere.
+
+    ``ASYNC_ENGINE_CPU_ISA=avx2`` answers as an AVX2 CPU would, so that one machine runs
+    what those CPUs run by default (with ``ONEDNN_MAX_CPU_ISA=AVX2`` for the matmuls)."""
+    if os.environ.get("ASYNC_ENGINE_CPU_ISA") == "avx2":
+        return False
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()
@@ -37,6 +42,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "sim")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("none", "int8")  # async_engine/model/quantization.py
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 DEVICE_RUNNERS = ("auto", "sync", "pipelined")
 KV_EVENT_ENCODINGS = ("map", "array")
 ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
@@ -57,6 +63,12 @@ class EngineConfig:
         "int8: the layers' matmul weights in int8 (per-channel scales, set at load) and their "
         "inputs per token, a few outlier channels kept in float; CPU only",
         QUANTIZATIONS,
+    )
+    kv_cache_dtype: str = _opt(
+        "auto",
+        "KV cache storage: auto (the model's dtype), or bfloat16/float16 under a float32 model: "
+        "half the memory and half the bytes decode attention reads; CPU only",
+        KV_CACHE_DTYPES,
     )
     overlap: bool = _opt(
         True,
@@ -141,6 +153,7 @@ class EngineConfig:
             ("device", DEVICES),
             ("load_format", LOAD_FORMATS),
             ("quantization", QUANTIZATIONS),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
             ("device_runner", DEVICE_RUNNERS),
             ("scheduling_policy", POLICIES),
             ("planning", PLANNINGS),
@@ -161,6 +174,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.quantization == "int8" and self.device == "cuda":
             raise ValueError("quantization int8 runs on the CPU device only, not 'cuda'")
+        self._check_kv_cache_dtype()
         self.resolved_tenant_weights()  # raises on a bad spec
         self._check_kv_events()
         overflow = self.fair_overflow_seqs
@@ -254,6 +268,19 @@ class EngineConfig:
         if self.device_runner != "auto":
             return self.device_runner
         return "pipelined" if self.resolved_device() == "cuda" else "sync"
+
+    def _check_kv_cache_dtype(self) -> None:
+        kv = self.kv_cache_dtype
+        if kv == "auto" or self.resolved_device() == "sim":
+            return
+        if self.resolved_device() != "cpu":
+            raise ValueError(f"kv_cache_dtype {kv} runs on the CPU device only")
+        dtype = self.resolved_dtype()
+        if kv != dtype and dtype != "float32":
+            raise ValueError(
+                f"kv_cache_dtype {kv} needs a float32 model (dtype resolves to {dtype}); "
+                "a half-precision model's cache is already half precision"
+            )
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":

@@ -89,6 +89,7 @@ class DeviceHost:
             load_format=config.load_format,
             seed=config.seed,
             quantization=config.quantization,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         has_tokenizer = any(
             (self.model_path / name).exists() for name in ("tokenizer.json", "tokenizer.model")
@@ -117,7 +118,8 @@ class DeviceHost:
         if self.kind == "cuda" and self.config.resolved_device_runner() == "pipelined":
             return 0
         mc, bs = self.model_config, self.config.block_size
-        itemsize = 4 if self.dtype == "float32" else 2
+        kv_dtype = self.dtype if self.config.kv_cache_dtype == "auto" else "half"
+        itemsize = 4 if kv_dtype == "float32" else 2
         block_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * bs * itemsize
         # A simulated device holds no KV cache: size its pool like a GPU's.
         budget = (1 << 30) if self.kind == "cpu" else (16 << 30)

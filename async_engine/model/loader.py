@@ -80,18 +80,22 @@ def build_model(
     load_format: str = "auto",
     seed: int = 0,
     quantization: str = "none",
+    kv_cache_dtype: str = "auto",
 ) -> LlamaModel:
     """A ready-to-run model; module level so a spawned process can receive it by name.
 
     ``load_format`` "auto" loads the folder's *.safetensors; "dummy" reads config.json alone
     and fills the weights at random from ``seed``. ``quantization`` "int8" turns the decoder
     layers' matmul weights into int8 from the loaded float ones (``quantization.py``).
+    ``kv_cache_dtype`` "bfloat16" or "float16" stores a float32 model's KV cache in half
+    precision (the CPU attention kernels widen it as they read).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be {'|'.join(LOAD_FORMATS)}, got {load_format!r}")
     check_quantization(quantization, device)
+    kv_dtype = _kv_dtype(kv_cache_dtype, dtype, device)
     cfg = load_model_config(folder)
     if load_format == "auto" and not any(Path(folder).glob("*.safetensors")):
         raise FileNotFoundError(
@@ -99,7 +103,7 @@ def build_model(
             "(load_format='dummy' runs it with random weights)"
         )
     with torch.device(device):  # allocate in place, no CPU copy first
-        model = LlamaModel(cfg, DTYPES[dtype])
+        model = LlamaModel(cfg, DTYPES[dtype], kv_dtype)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
@@ -110,6 +114,22 @@ def build_model(
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def _kv_dtype(kv_cache_dtype: str, dtype: str, device: str) -> torch.dtype | None:
+    """The KV cache's torch dtype (None: the model's); ValueError names a bad combination."""
+    if kv_cache_dtype == "auto" or kv_cache_dtype == dtype:
+        return None
+    if kv_cache_dtype not in ("bfloat16", "float16"):
+        raise ValueError(f"kv_cache_dtype must be auto|bfloat16|float16, got {kv_cache_dtype!r}")
+    if device != "cpu":
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype} runs on the CPU device only")
+    if dtype != "float32":
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype} needs a float32 model (dtype is {dtype}): "
+            "a half-precision model's cache is already half precision"
+        )
+    return DTYPES[kv_cache_dtype]
 
 
 @torch.no_grad()

@@ -36,11 +36,13 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         return json.loads(resp.read())
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log: Any) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with code {proc.returncode} at start")
+            log.seek(0)
+            tail = log.read().decode(errors="replace")[-1500:]
+            raise RuntimeError(f"llama-server exited with code {proc.returncode} at start:\n{tail}")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
                 if resp.status == 200:
@@ -87,7 +89,7 @@ def run_llama_server(
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
-            _wait_healthy(url, proc, start_timeout)
+            _wait_healthy(url, proc, start_timeout, log)
 
             def one(prompt: list[int]) -> int:
                 body = {
