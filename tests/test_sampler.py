@@ -133,6 +133,15 @@ def test_greedy_equals_argmax():
     assert out.tokens == logits.argmax(dim=-1).tolist()
 
 
+def test_greedy_takes_the_first_of_tied_maxima():
+    logits = torch.zeros(3, VOCAB)
+    logits[0, [4, 9]] = 2.0
+    logits[1, [0, 31]] = 5.0
+    logits[2, :] = 1.0
+    out = Sampler(VOCAB).sample(logits, [state(temperature=0.0) for _ in range(3)])
+    assert out.tokens == [4, 0, 0]
+
+
 def test_padding_columns_beyond_vocab_are_ignored():
     logits = random_logits(4, VOCAB + 8)
     logits[:, VOCAB:] = 100.0

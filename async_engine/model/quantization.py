@@ -6,6 +6,8 @@ float32's bytes, half of bfloat16's. Each call quantizes its input rows too (one
 token, found on the fly: ``int8_kernels.py``) and runs oneDNN's int8 matmul, which uses the
 CPU's int8 dot products (AMX-INT8, AVX512-VNNI or AVX-VNNI, else AVX2's ``vpmaddubsw``);
 the epilogue scales the int32 sums back into the activations' dtype (float32 or bfloat16).
+On CPUs without int8 dot products (AVX2 only: AMD Zen 1-3) oneDNN's int8 is no faster than
+its float32, and ``int8_kernels.linear_avx2`` runs instead (``int8_gemm``).
 This is the int8 W8A8 scheme vLLM runs on CPUs (dynamic per-token activations), not
 weight-only: torch's weight-only kernel (``aten._weight_int8pack_mm``) reads the weights
 again for every row, so it beats bfloat16 at one row only and is 3x slower at 32 (measured).
@@ -19,9 +21,14 @@ to the 95% floor, and the embedding is a lookup.
 
 from __future__ import annotations
 
+import functools
+import os
+from pathlib import Path
+
 import torch
 from torch import nn
 
+from . import int8_kernels
 from .int8_kernels import ZERO_POINT, epilogue, quantize_rows
 
 QUANTIZATIONS = ("none", "int8")
@@ -31,6 +38,15 @@ PACK_ROWS_HINT = 32  # rows oneDNN tunes the packed layout for: a decode batch
 # take its greedy agreement with float32 from 90% to 96% (bench/int8_quality.py); o_proj's
 # inputs (attention outputs) have none that matter.
 OUTLIERS = {"qkv": 16, "o_proj": 0, "gate_up": 16, "down": 16}
+# Which int8 matmul runs: "onednn", "avx2" (int8_kernels.linear_avx2) or "auto" (the default):
+# avx2 where the CPU has no int8 dot product instruction (AVX512-VNNI, AVX-VNNI or AMX-INT8)
+# or ASYNC_ENGINE_CPU_ISA=avx2 says to run as such a CPU does. There oneDNN's int8 was slower
+# than its float32 and not exact (its u8 x s8 pairs saturate in int16); the AVX2 kernel took
+# a 40-row decode step's matmuls from 85 to 51 ms (2 cores). With those instructions oneDNN
+# is exact and much faster.
+GEMM_ENV = "ASYNC_ENGINE_INT8_GEMM"
+GEMMS = ("auto", "onednn", "avx2")
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 
 
 def check_quantization(quantization: str, device: str = "cpu") -> None:
@@ -41,6 +57,29 @@ def check_quantization(quantization: str, device: str = "cpu") -> None:
         raise ValueError(f"quantization int8 runs on the CPU device only, not {device!r}")
     if quantization == "int8" and not torch.backends.mkldnn.is_available():
         raise ValueError("quantization int8 needs torch with oneDNN (an x86 CPU build)")
+
+
+@functools.cache
+def _has_int8_dot() -> bool:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return True  # unknown CPU: keep oneDNN, which picks its own kernels
+    flags = {f for ln in lines if ln.startswith("flags") for f in ln.split(":", 1)[1].split()}
+    return any(f in flags for f in INT8_DOT_FLAGS)
+
+
+def int8_gemm() -> str:
+    """The int8 matmul ``Int8Linear`` uses, "onednn" or "avx2", as ``GEMM_ENV`` asks."""
+    value = os.environ.get(GEMM_ENV) or "auto"
+    if value not in GEMMS:
+        raise ValueError(f"{GEMM_ENV} must be {'|'.join(GEMMS)}, got {value!r}")
+    if value == "avx2" and not int8_kernels.has_matmul_avx2():
+        raise ValueError(f"{GEMM_ENV}=avx2 needs the int8 kernels built for a CPU with AVX2")
+    if value != "auto":
+        return value
+    avx2_cpu = os.environ.get("ASYNC_ENGINE_CPU_ISA") == "avx2" or not _has_int8_dot()
+    return "avx2" if avx2_cpu and int8_kernels.has_matmul_avx2() else "onednn"
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,9 +110,10 @@ class Int8Linear(nn.Module):
     reads. Those channels (``outlier_channels`` of the calibration ranges ``act_absmax``)
     are zeroed in the int8 operands and added back by a small float matmul.
 
-    ``llama.linear`` calls it in place of a weight tensor. Only oneDNN's packed copy of the
-    int8 weight is kept (it cannot be read back): ``quantize_weight(weight * keep)`` gives
-    the values and scales it holds.
+    ``llama.linear`` calls it in place of a weight tensor. Only the matmul's packed copy of
+    the int8 weight is kept (``gemm``: oneDNN's, which cannot be read back, or
+    ``int8_kernels.pack_avx2``'s): ``quantize_weight(weight * keep)`` gives the values and
+    scales it holds.
     """
 
     def __init__(
@@ -92,7 +132,11 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale, persistent=False)
         zero_points = torch.zeros(self.out_features, dtype=torch.int64)
         self.register_buffer("zero_points", zero_points, persistent=False)
-        self.packed = torch.ops.onednn.qlinear_prepack(q, [PACK_ROWS_HINT, self.in_features])
+        self.gemm = int8_gemm()
+        if self.gemm == "avx2":
+            self.packed = int8_kernels.pack_avx2(q)
+        else:
+            self.packed = torch.ops.onednn.qlinear_prepack(q, [PACK_ROWS_HINT, self.in_features])
         self.register_buffer("outlier_index", index, persistent=False)
         # [outliers, out] float32: the epilogue adds x[:, index] @ outlier_weight.
         outlier_weight = w[:, index].t().contiguous()
@@ -103,6 +147,10 @@ class Int8Linear(nn.Module):
             raise ValueError(f"int8 linear takes float32 or bfloat16 inputs, got {x.dtype}")
         shape = x.shape
         x = x.reshape(-1, self.in_features)
+        if self.gemm == "avx2":  # quantize, matmul and epilogue in one call
+            weights = (self.packed, self.scale, self.outlier_index, self.outlier_weight)
+            y = int8_kernels.linear_avx2(x, self.keep, *weights, bias)
+            return y.view(*shape[:-1], self.out_features)
         qx, row_scale = quantize_rows(x, self.keep)
         # oneDNN takes one activation scale per tensor, not per row: the sums come back in
         # float32 at scale 1, and the epilogue scales the rows.
@@ -116,7 +164,8 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         outliers = self.outlier_index.numel()
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, int8, {outliers=}"
+            f"in_features={self.in_features}, out_features={self.out_features}, int8, "
+            f"{outliers=}, gemm={self.gemm}"
         )
 
 

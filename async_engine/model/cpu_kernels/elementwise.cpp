@@ -3,6 +3,7 @@
 // one rounding at the end for bf16. Rows are split over OpenMP threads; the loops are
 // written so that the compiler vectorises them for the build's ISA (AVX2 or AVX-512).
 #include "bf16.h"
+#include "vec.h"
 
 namespace {
 using namespace kernels;
@@ -34,6 +35,17 @@ void rms_norm(const T* x, int64_t x_stride, const T* weight, int64_t rows, int64
     }
 }
 
+#if defined(KERNELS_VEC)
+// silu(g) * u for W lanes: the scalar silu's formula, with vec.h's exp (the compiler does not
+// vectorise the scalar one's rounding, and exp is most of the work).
+inline vf silu_times(vf g, vf u) {
+    const vf one = vset1(1.0f);
+    const vf e = vexp(vmin(g, vsub(vzero(), g)));  // exp(-|g|)
+    const vf sig = vdiv(where_negative(g, e, one), vadd(one, e));
+    return vmul(vmul(g, sig), u);
+}
+#endif
+
 // out[r] = silu(gate_up[r, :inter]) * gate_up[r, inter:].
 template <typename T>
 void silu_mul(const T* gate_up, int64_t rows, int64_t inter, T* out) {
@@ -41,8 +53,13 @@ void silu_mul(const T* gate_up, int64_t rows, int64_t inter, T* out) {
     for (int64_t r = 0; r < rows; ++r) {
         const T* g = gate_up + r * 2 * inter;
         T* o = out + r * inter;
-#pragma omp simd
-        for (int64_t i = 0; i < inter; ++i) store(o, i, silu(load(g, i)) * load(g, inter + i));
+        int64_t i = 0;
+#if defined(KERNELS_VEC)
+        for (; i + W <= inter; i += W) {
+            vstore(o + i, silu_times(vload(g + i), vload(g + inter + i)));
+        }
+#endif
+        for (; i < inter; ++i) store(o, i, silu(load(g, i)) * load(g, inter + i));
     }
 }
 
