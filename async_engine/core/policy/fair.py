@@ -268,8 +268,10 @@ class FairPolicy(Policy):
         and someone runs: ``next_waiting`` decides who is behind); else the whole budget,
         or, compute bound while a light tenant served lately is behind, a share of it."""
         if allow_first_tokens:  # else asked again for the same step, nothing changed since
-            # Only admissions and a compute-bound device's shrinking ask.
-            if self._backlogged or compute_bound:
+            # Only admissions and a compute-bound device's shrinking ask; with one tenant
+            # at work nobody is behind anybody, and the pass over the batch is skipped.
+            asked = self._backlogged or compute_bound
+            if asked and len(self._running.keys() | self._backlogged.keys()) > 1:
                 self._prefilling = {
                     r.tenant for r in running if r.num_computed_tokens < len(r.prompt_ids)
                 }
