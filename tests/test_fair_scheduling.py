@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from async_engine.core.config import EngineConfig
 from async_engine.core.policy import FairPolicy, make_policy
-from async_engine.core.policy.fair import OUTPUT_PRICE, PROMPT_PRICE
+from async_engine.core.policy.tenants import OUTPUT_PRICE, PROMPT_PRICE
 from async_engine.core.request import Request, RequestStatus
 from async_engine.core.scheduler import Scheduler, SchedulerConfig
 from blockalloc import BlockPool

@@ -4,8 +4,9 @@ counted and what shape each step takes. ``base.Policy`` is the contract."""
 from __future__ import annotations
 
 from async_engine.core.policy.base import Policy, StepShape
-from async_engine.core.policy.fair import FairPolicy, FairTuning, default_overflow_seqs
+from async_engine.core.policy.fair import FairPolicy
 from async_engine.core.policy.ordered import OrderedPolicy
+from async_engine.core.policy.tenants import FairTuning, default_overflow_seqs
 
 POLICIES = ("fcfs", "priority", "fair")
 
