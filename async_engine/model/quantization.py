@@ -154,10 +154,10 @@ class Int8Linear(nn.Module):
         qx, row_scale = quantize_rows(x, self.keep)
         # oneDNN takes one activation scale per tensor, not per row: the sums come back in
         # float32 at scale 1, and the epilogue scales the rows.
-        acc = torch.ops.onednn.qlinear_pointwise(
-            qx, 1.0, ZERO_POINT, self.packed, self.scale, self.zero_points,
-            None, 1.0, 0, torch.float32, "none", [], "",
-        )  # fmt: skip
+        weight = (self.packed, self.scale, self.zero_points)
+        # No bias; output scale 1, zero point 0, float32; no post-op.
+        output = (None, 1.0, 0, torch.float32, "none", [], "")
+        acc = torch.ops.onednn.qlinear_pointwise(qx, 1.0, ZERO_POINT, *weight, *output)
         y = epilogue(acc, row_scale, x, self.outlier_index, self.outlier_weight, bias)
         return y.view(*shape[:-1], self.out_features)
 

@@ -70,17 +70,32 @@ def flags(isa: str) -> tuple[str, ...]:
     return (*FLAGS, *ISA_FLAGS[isa])
 
 
-def library_path(isa: str | None = None) -> Path:
+def library_path(
+    isa: str | None = None,
+    *,
+    name: str = "kernels",
+    inputs: tuple[Path, ...] = (*SOURCES, *HEADERS),
+    compile_flags: tuple[str, ...] | None = None,
+) -> Path:
+    """The cached library ``name`` for ``isa``, keyed by the ``inputs`` (sources and headers),
+    ``compile_flags`` (default ``flags(isa)``) and the CPU: a change to any rebuilds it."""
     isa = isa or selected_isa()
     key = hashlib.sha256()
-    parts = [p.read_bytes() for p in (*SOURCES, *HEADERS)]
-    for part in (*parts, " ".join(flags(isa)).encode(), _cpu_key().encode()):
+    parts = [p.read_bytes() for p in inputs]
+    for part in (*parts, " ".join(compile_flags or flags(isa)).encode(), _cpu_key().encode()):
         key.update(part)
-    return cache_dir() / f"kernels-{isa}-{key.hexdigest()[:16]}.so"
+    return cache_dir() / f"{name}-{isa}-{key.hexdigest()[:16]}.so"
 
 
-def build(target: Path, isa: str) -> None:
-    """Compile the sources into ``target`` atomically (a parallel build never tears it)."""
+def build(
+    target: Path,
+    isa: str,
+    *,
+    sources: tuple[Path, ...] = SOURCES,
+    compile_flags: tuple[str, ...] | None = None,
+) -> None:
+    """Compile ``sources`` with ``compile_flags`` (default ``flags(isa)``) into ``target``
+    atomically (a parallel build never tears it)."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
@@ -89,7 +104,7 @@ def build(target: Path, isa: str) -> None:
     os.close(fd)
     try:
         proc = subprocess.run(
-            [compiler, *flags(isa), *map(str, SOURCES), "-o", tmp],
+            [compiler, *(compile_flags or flags(isa)), *map(str, sources), "-o", tmp],
             capture_output=True,
             text=True,
             timeout=300,
