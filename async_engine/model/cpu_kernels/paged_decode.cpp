@@ -28,6 +28,7 @@ inline void softmax_rows(float* scores, int64_t n, int rows, float* inv_sums) {
     for (int r = 0; r < rows; ++r) {
         float* row = scores + r * n;
         float top = -INFINITY;
+#pragma omp simd reduction(max : top)
         for (int64_t i = 0; i < n; ++i) top = row[i] > top ? row[i] : top;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -136,9 +137,10 @@ void decode_one_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
     // Chunks of 16 positions outermost: a chunk's rows come from memory once and serve every
     // head from L1 (the cache is read from DRAM, so the loop order sets the speed).
     prefetch_chunk<_MM_HINT_T0>(k_cache, offsets, 0, ctx, row_bytes);
+    prefetch_chunk<_MM_HINT_T0>(k_cache, offsets, 16, ctx, row_bytes);
     for (int64_t p0 = 0; p0 < ctx; p0 += 16) {
         const int n = ctx - p0 < 16 ? static_cast<int>(ctx - p0) : 16;
-        prefetch_chunk<_MM_HINT_T0>(k_cache, offsets, p0 + 16, ctx, row_bytes);
+        prefetch_chunk<_MM_HINT_T0>(k_cache, offsets, p0 + 32, ctx, row_bytes);
         prefetch_chunk<_MM_HINT_T1>(v_cache, offsets, p0, ctx, row_bytes);  // for the V pass
         const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
         for (int h = 0; h < heads; ++h) {
@@ -163,7 +165,7 @@ void decode_one_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
     for (int i = 0; i < heads * D; ++i) acc_mem[i] = 0.0f;
     for (int64_t p0 = 0; p0 < ctx; p0 += 16) {
         const int n = ctx - p0 < 16 ? static_cast<int>(ctx - p0) : 16;
-        prefetch_chunk<_MM_HINT_T0>(v_cache, offsets, p0 + 16, ctx, row_bytes);
+        prefetch_chunk<_MM_HINT_T0>(v_cache, offsets, p0 + 32, ctx, row_bytes);
         for (int kvh = 0; kvh < kv_heads; ++kvh) {
             for (int g0 = 0; g0 < group; g0 += HC) {
                 const int h0 = kvh * group + g0;
