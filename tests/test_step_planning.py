@@ -58,9 +58,9 @@ class StepWatch:
         return min(step for step, ids in self.steps if request_id in ids)
 
 
-async def first_step_of_a_request_arriving_mid_step(default_model: Path, step_ms: float):
-    """(step running when a request arrived, the first step that carried it)."""
-    engine = AsyncEngine(
+def sim_engine(default_model: Path, step_ms: float) -> AsyncEngine:
+    """The simulated device at a fixed step time, whatever a step carries."""
+    return AsyncEngine(
         model=str(default_model),
         device="sim",
         sim_step_ms=step_ms,
@@ -68,6 +68,11 @@ async def first_step_of_a_request_arriving_mid_step(default_model: Path, step_ms
         sim_seq_us=0,
         sim_ctx_ns=0,
     )
+
+
+async def first_step_of_a_request_arriving_mid_step(default_model: Path, step_ms: float):
+    """(step running when a request arrived, the first step that carried it)."""
+    engine = sim_engine(default_model, step_ms)
     loop = asyncio.get_running_loop()
     late: list[asyncio.Task] = []
 
@@ -124,14 +129,7 @@ class PlanningWatch:
 async def test_beside_short_steps_the_next_one_is_planned_while_the_device_runs(
     default_model: Path,
 ):
-    engine = AsyncEngine(
-        model=str(default_model),
-        device="sim",
-        sim_step_ms=2.0,
-        sim_token_us=0,
-        sim_seq_us=0,
-        sim_ctx_ns=0,
-    )
+    engine = sim_engine(default_model, step_ms=2.0)
     watch = PlanningWatch()
     engine.observer = watch
     try:
