@@ -8,7 +8,7 @@ resets; ``EventBatcher`` (``batcher.py``) gathers a step's reports into one batc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from async_engine.core.config import EngineConfig
@@ -33,6 +33,24 @@ class KVEvents:
     def replay_endpoint(self) -> str | None:
         return self.publisher.replay_endpoint
 
+    def sources(self) -> dict[str, Any] | None:
+        """The ``/kv_event_sources`` body: rank "0"'s publisher, as vLLM's ``KVEventsConfig``
+        names it. A bound wildcard (``tcp://0.0.0.0:5557``) is left for the subscriber to
+        replace by the host it reached this server on. None where nobody can subscribe: the
+        publisher connects out to an indexer that binds."""
+        publisher = self.publisher
+        if not publisher.bound:
+            return None
+        return {
+            "0": {
+                "endpoint": publisher.endpoint,
+                "replay_endpoint": publisher.replay_endpoint,
+                "topic": publisher.topic,
+                "publisher": "zmq",
+                "enable_kv_cache_events": True,
+            }
+        }
+
     def close(self) -> None:
         self._pool.events = None
         self._batcher.flush()
@@ -44,6 +62,9 @@ class NoKVEvents:
 
     endpoint: str | None = None
     replay_endpoint: str | None = None
+
+    def sources(self) -> None:
+        return None
 
     def close(self) -> None:
         pass

@@ -24,10 +24,15 @@ END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 POLL_MS = 100  # how often the replay thread looks at its stop flag
 
 
-def open_socket(sock: zmq.Socket, endpoint: str) -> str:
+def binds(endpoint: str) -> bool:
     """vLLM's rule: bind a wildcard (``*``, ``::``), ipc or inproc address, connect to any
-    other (llm-d's indexer binds, so its engines connect). Returns the address in use."""
-    if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+    other (llm-d's indexer binds, so its engines connect)."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def open_socket(sock: zmq.Socket, endpoint: str) -> str:
+    """Bind or connect ``endpoint`` as ``binds`` says; the address in use."""
+    if binds(endpoint):
         sock.bind(endpoint)
         return sock.last_endpoint.decode()
     sock.connect(endpoint)
@@ -46,6 +51,7 @@ class ZmqPublisher:
         self._ctx = zmq.Context()
         self._lock = threading.Lock()  # publish (loop) vs replay (thread) vs close (any)
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self.topic = topic
         self._topic = topic.encode()
         self._seq = 0
         self._closed = False
@@ -57,6 +63,7 @@ class ZmqPublisher:
         self._pub.set_hwm(hwm)
         self._pub.linger = 500  # ms: batches queued at close still get out
         address = endpoint
+        self.bound = binds(endpoint)  # subscribers connect here (else it connects out)
         try:
             self.endpoint = open_socket(self._pub, endpoint)
             if replay_endpoint:

@@ -66,6 +66,8 @@ class OpenAIApp:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
                 Route("/get_load", self.get_load, methods=["GET"]),
+                Route("/get_server_info", self.server_info, methods=["GET"]),
+                Route("/kv_event_sources", self.kv_event_sources, methods=["GET"]),
             ],
             exception_handlers={HTTPException: _http_exception},
         )
@@ -124,6 +126,27 @@ class OpenAIApp:
     async def get_load(self, request: Request) -> Response:
         """What vllm-router's power-of-two policy polls; unauthenticated, as /metrics is."""
         return JSONResponse({"load": self.state.load()})
+
+    async def server_info(self, request: Request) -> Response:
+        """What a KV-aware router reads on meeting a worker: the model its KV events belong
+        to and their block size. Only fields vllm-router knows: it refuses a body with a
+        second name for one of them (``block_size`` beside ``kv_block_size``)."""
+        config = self.engine.config
+        model = str(config.model)
+        return JSONResponse(
+            {"model_id": model, "model_path": model, "kv_block_size": config.block_size}
+        )
+
+    async def kv_event_sources(self, request: Request) -> Response:
+        """Where this server's KV events can be subscribed to, keyed by data-parallel rank
+        (one here), as vllm-router discovers them. 404 where there is nothing to subscribe
+        to: events off, or sent to an indexer that binds (a subscriber cannot connect)."""
+        sources = self.engine.kv_events.sources()
+        if sources is None:
+            return HttpError(
+                404, "this server publishes no KV events", None, "not_found"
+            ).response()
+        return JSONResponse(sources)
 
     # ---------------------------------------------------------- generation
     async def _generate(self, request: Request, chat: bool) -> Response:
