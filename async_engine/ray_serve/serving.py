@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +125,7 @@ class ReplicaServer:
         """The engine's figures and the pacing counts, for callers outside HTTP."""
         stats = self.engine.stats()
         return {
+            "pid": os.getpid(),  # tells the replicas apart: Serve picks one per call
             "running": stats.running,
             "waiting": stats.waiting,
             "kv_usage": stats.kv_usage,
