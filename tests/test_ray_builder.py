@@ -9,6 +9,7 @@ pytest.importorskip("ray.serve", reason="Ray Serve is not installed (the 'ray' e
 
 from async_engine.ray_serve.app import REPLICA_ENV, Autoscaling, build_app  # noqa: E402
 from async_engine.ray_serve.builder import app as serve_run_app  # noqa: E402
+from async_engine.ray_serve.coalesce import DEFAULT_MESSAGES_PER_S  # noqa: E402
 
 
 def deployment(application):
@@ -25,7 +26,7 @@ def test_the_default_layout_is_the_replica_itself_behind_the_proxy() -> None:
     assert replica.logging_config["enable_access_log"] is False
     engine_options, options = replica.init_args
     assert engine_options == {"device": "sim", "max_num_seqs": 32}
-    assert options.messages_per_s == 4000.0
+    assert options.messages_per_s == DEFAULT_MESSAGES_PER_S
 
 
 def test_prefix_affinity_puts_an_ingress_before_autoscaled_replicas() -> None:

@@ -10,6 +10,7 @@ import threading
 from typing import Any
 
 from async_engine.cli.options import add_engine_args, engine_options
+from async_engine.ray_serve.coalesce import DEFAULT_MESSAGES_PER_S  # imports no Ray
 
 
 def add_parser(sub: Any) -> None:
@@ -48,7 +49,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--messages-per-s",
         type=float,
-        default=4000.0,
+        default=DEFAULT_MESSAGES_PER_S,
         help="a replica's streamed messages per second through Ray; past it, each stream's "
         "events carry several tokens (0: one message per event)",
     )

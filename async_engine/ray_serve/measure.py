@@ -28,6 +28,8 @@ from async_engine.bench.openai_load import HttpTarget, openai_sender
 from async_engine.bench.serve import run_load
 from async_engine.bench.server_process import spawn_server
 from async_engine.cli.options import add_engine_args, engine_options
+from async_engine.ray_serve.coalesce import DEFAULT_MESSAGES_PER_S
+from async_engine.ray_serve.serving import ReplicaOptions
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -44,7 +46,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--router", default="default", choices=["default", "prefix-affinity"])
     p.add_argument("--ingress", default="proxy", choices=["proxy", "haproxy"])
     p.add_argument(
-        "--messages-per-s", type=float, default=2000.0, help="per-replica Ray message budget"
+        "--messages-per-s",
+        type=float,
+        default=DEFAULT_MESSAGES_PER_S,
+        help="per-replica Ray message budget (default: the shipped one; 0: none)",
     )
     p.add_argument("--only", choices=["direct", "ray"], default=None)
     p.add_argument("--json", default=None, help="write the figures to this file")
@@ -104,7 +109,6 @@ def direct(args: argparse.Namespace) -> dict[str, Any]:
 
 def through_ray(args: argparse.Namespace) -> dict[str, Any]:
     from async_engine.ray_serve.launch import start_replicas
-    from async_engine.ray_serve.serving import ReplicaOptions
 
     options = ReplicaOptions(messages_per_s=args.messages_per_s or None)
     url, stop = start_replicas(

@@ -19,7 +19,7 @@ from async_engine.core.engine import AsyncEngine
 from async_engine.core.fanout import parent_id
 from async_engine.core.supervisor import DeviceState
 from async_engine.ray_serve.asgi import ReplicaAsgi
-from async_engine.ray_serve.coalesce import Pace, StreamCounts
+from async_engine.ray_serve.coalesce import DEFAULT_MESSAGES_PER_S, Pace, StreamCounts
 from async_engine.server.codec import Limits
 from async_engine.server.http.app import OpenAIApp
 from async_engine.server.logs import ensure_logging
@@ -40,7 +40,7 @@ class ReplicaOptions:
     max_body_bytes: int = 4 << 20
     body_timeout_s: float = 30.0
     stream_idle_timeout_s: float = 60.0
-    messages_per_s: float | None = 4000.0  # None: every event is its own Ray message
+    messages_per_s: float | None = DEFAULT_MESSAGES_PER_S  # None: an event, a Ray message
     max_interval_s: float = 0.05
     metrics_interval_s: float = 0.25
     abort_grace_s: float = 0.5  # at shutdown, how long aborted streams get to end
