@@ -259,10 +259,10 @@ def test_auth_token_is_required_when_set(tiny_model: Path):
 async def test_bench_serve_drives_the_openai_api(server: BackgroundServer):
     from async_engine.bench.load import LoadSpec, make_requests
     from async_engine.bench.openai_load import HttpTarget, openai_sender, served_model
-    from async_engine.bench.serve import _on_tokens, run_load
+    from async_engine.bench.serve import on_tokens, run_load
 
     target = HttpTarget(f"http://127.0.0.1:{server.server.http_port}")
-    send = openai_sender(target, await served_model(target), _on_tokens)
+    send = openai_sender(target, await served_model(target), on_tokens)
     load = LoadSpec(num_requests=6, min_prompt=5, max_prompt=20, min_output=3, max_output=9)
     requests = make_requests(load, 50.0, 1000)
     records, _ = await run_load(send, requests)

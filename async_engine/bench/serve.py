@@ -106,7 +106,7 @@ async def run_load(send: Sender, requests: list[RequestSpec]) -> tuple[list[Requ
     return records, time.perf_counter() - start
 
 
-def _on_tokens(spec: RequestSpec, rec: RequestRecord, count: int) -> bool:
+def on_tokens(spec: RequestSpec, rec: RequestRecord, count: int) -> bool:
     """Record a streamed message; True when the client should now abandon the stream."""
     now = time.perf_counter()
     rec.chunk_times.append(now)
@@ -128,7 +128,7 @@ def grpc_sender(client: Any) -> Sender:
                 if isinstance(event, Chunk) and event.token_ids:
                     if event.offset != rec.tokens:  # the stream's order, checked on every chunk
                         raise RuntimeError(f"chunk at offset {event.offset}, {rec.tokens} seen")
-                    if _on_tokens(spec, rec, len(event.token_ids)):
+                    if on_tokens(spec, rec, len(event.token_ids)):
                         rec.cancelled = True
                         break  # closing the stream cancels the RPC
                 elif isinstance(event, Finished):
@@ -151,7 +151,7 @@ def engine_sender(engine: Any, cancelled: list[tuple[Any, RequestRecord]]) -> Se
         req = engine.add_request(spec.prompt, params)
         try:
             async for delta in engine.stream(req):
-                if delta.token_ids and _on_tokens(spec, rec, len(delta.token_ids)):
+                if delta.token_ids and on_tokens(spec, rec, len(delta.token_ids)):
                     rec.cancelled = True
                     break
         finally:
@@ -194,7 +194,7 @@ async def openai_phase(
     from async_engine.bench.openai_load import HttpTarget, openai_sender, served_model
 
     http = HttpTarget(target, args.auth_token)
-    send = openai_sender(http, await served_model(http), _on_tokens)
+    send = openai_sender(http, await served_model(http), on_tokens)
     await run_load(send, make_requests(WARMUP, 1.0, args.vocab_size))
 
     async def run_rate(rate: float) -> dict[str, Any]:

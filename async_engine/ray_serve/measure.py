@@ -12,7 +12,6 @@ import asyncio
 import itertools
 import json
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +24,7 @@ from async_engine.bench.load import (
     summarize,
 )
 from async_engine.bench.openai_load import HttpTarget, openai_sender
-from async_engine.bench.serve import run_load
+from async_engine.bench.serve import on_tokens, run_load
 from async_engine.bench.server_process import spawn_server
 from async_engine.cli.options import add_engine_args, engine_options
 from async_engine.ray_serve.coalesce import DEFAULT_MESSAGES_PER_S
@@ -54,16 +53,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--only", choices=["direct", "ray"], default=None)
     p.add_argument("--json", default=None, help="write the figures to this file")
     return p.parse_args(argv)
-
-
-def on_tokens(spec: RequestSpec, rec: RequestRecord, count: int) -> bool:
-    """One streamed event (its time is what ITL is measured on)."""
-    now = time.perf_counter()
-    rec.chunk_times.append(now)
-    if rec.first_token is None:
-        rec.first_token = now
-    rec.tokens += count
-    return False
 
 
 async def drive(urls: list[str], args: argparse.Namespace) -> dict[str, Any]:
