@@ -28,7 +28,6 @@ from async_engine.bench.serve import on_tokens, run_load
 from async_engine.bench.server_process import spawn_server
 from async_engine.cli.options import add_engine_args, engine_options
 from async_engine.ray_serve.coalesce import DEFAULT_MESSAGES_PER_S
-from async_engine.ray_serve.serving import ReplicaOptions
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -98,6 +97,7 @@ def direct(args: argparse.Namespace) -> dict[str, Any]:
 
 def through_ray(args: argparse.Namespace) -> dict[str, Any]:
     from async_engine.ray_serve.launch import start_replicas
+    from async_engine.ray_serve.serving import ReplicaOptions
 
     options = ReplicaOptions(messages_per_s=args.messages_per_s or None)
     url, stop = start_replicas(
