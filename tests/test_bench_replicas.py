@@ -22,7 +22,13 @@ from async_engine.bench.load import Slo, summarize
 from async_engine.bench.replicas import client
 from async_engine.bench.replicas.affinity import group_affinity, placements_from_counts
 from async_engine.bench.replicas.cancel import CancelProbe
-from async_engine.bench.replicas.client import GROUP_HEADER, Sample, run_load, sse_events
+from async_engine.bench.replicas.client import (
+    GROUP_HEADER,
+    SESSION_HEADER,
+    Sample,
+    run_load,
+    sse_events,
+)
 from async_engine.bench.replicas.processes import PICK_RANGE, free_port, replica_options
 from async_engine.bench.replicas.report import (
     PhaseResult,
@@ -32,7 +38,12 @@ from async_engine.bench.replicas.report import (
     placement_table,
     router_kv_table,
 )
-from async_engine.bench.replicas.routers import RouterInput, VllmRouter, make_router
+from async_engine.bench.replicas.routers import (
+    SESSION_TTL_S,
+    RouterInput,
+    VllmRouter,
+    make_router,
+)
 from async_engine.bench.replicas.scrape import (
     ReplicaCounters,
     delta,
@@ -180,6 +191,20 @@ def test_vllm_router_command_lines_parse_with_its_own_parser():
     assert make_router("none", "power_of_two") is None
 
 
+def test_sessions_ask_kv_aware_for_session_affinity_and_no_other_policy():
+    launch = pytest.importorskip("vllm_router.launch_router")
+    given = RouterInput(["http://127.0.0.1:1"], ["tcp://127.0.0.1:5"], 16, "default")
+    router = VllmRouter("kv_aware", sessions=True)
+    kv = launch.parse_router_args(router.command(given, 9, 10)[1:])
+    assert kv.kv_aware_session_affinity_ttl_secs == SESSION_TTL_S
+    assert router.label == "vllm-router kv_aware + sessions"
+    plain = launch.parse_router_args(VllmRouter("kv_aware").command(given, 9, 10)[1:])
+    assert plain.kv_aware_session_affinity_ttl_secs is None
+    other = VllmRouter("power_of_two", sessions=True)
+    assert "--kv-aware-session-affinity-ttl-secs" not in other.command(given, 9, 10)
+    assert other.label == "vllm-router power_of_two"
+
+
 def test_each_replica_gets_its_own_kv_event_port_only_when_asked():
     args = Namespace(device="sim", seed=0, kv_events_endpoint="tcp://*:5557")
     options, port = replica_options(args, kv_events=False)
@@ -255,7 +280,7 @@ async def test_the_tap_counts_groups_on_reused_connections_and_sees_drops():
 async def test_ramped_streams_start_apart_and_send_every_prompt(monkeypatch):
     sent: list[tuple[float, int]] = []
 
-    async def slow_send(url, model, prompt, max_tokens, request_id) -> Sample:
+    async def slow_send(url, model, prompt, max_tokens, request_id, session) -> Sample:
         sent.append((time.perf_counter(), prompt.index))
         await asyncio.sleep(0.1)  # longer than the ramp: each stream's first send shows
         return Sample(prompt.group, 0)
@@ -269,6 +294,36 @@ async def test_ramped_streams_start_apart_and_send_every_prompt(monkeypatch):
     # Streams 1 and 2 start 40 and 80 ms in, or later (a busy machine only delays them);
     # unramped, all three would send at once.
     assert times[1] >= 0.039 and times[2] >= 0.079
+
+
+async def test_a_session_workload_names_each_request_s_group_as_its_session():
+    heads: list[bytes] = []
+
+    async def recording(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        heads.append(head.lower())
+        await reader.readexactly(int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0]))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(recording, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        for sessions in (True, False):
+            heads.clear()
+            w = Workload(groups=2, per_group=2, concurrency=1, sessions=sessions)
+            await run_load([url], "m", build_prompts(w), w, "s")
+            named = sorted(
+                line.split(b":")[1].strip().decode()
+                for head in heads
+                for line in head.split(b"\r\n")
+                if line.startswith(SESSION_HEADER.encode())
+            )
+            assert len(heads) == 4
+            assert named == (["g0", "g0", "g1", "g1"] if sessions else [])
+    finally:
+        server.close()
 
 
 @pytest.mark.slow

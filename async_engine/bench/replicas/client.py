@@ -15,6 +15,7 @@ from async_engine.bench.load import RequestRecord
 from async_engine.bench.replicas.workload import Prompt, Workload
 
 GROUP_HEADER = "x-bench-group"  # read by the taps in front of the replicas
+SESSION_HEADER = "x-session-id"  # a conversation's id, as routers with session affinity read it
 
 
 async def sse_events(
@@ -84,10 +85,14 @@ def completion_body(model: str, tokens: list[int], max_tokens: int) -> dict[str,
     }
 
 
-async def send(url: str, model: str, prompt: Prompt, max_tokens: int, request_id: str) -> Sample:
+async def send(
+    url: str, model: str, prompt: Prompt, max_tokens: int, request_id: str, session: bool = False
+) -> Sample:
     sample = Sample(prompt.group, 0)
     rec = sample.record
     headers = {GROUP_HEADER: f"g{prompt.group}", "x-request-id": request_id}
+    if session:
+        headers[SESSION_HEADER] = f"g{prompt.group}"
     rec.sent = time.perf_counter()
     try:
         body = completion_body(model, prompt.tokens, max_tokens)
@@ -123,7 +128,9 @@ async def run_load(
             i, prompt = queue.get_nowait()
             target = i % len(urls)
             rid = f"{run_id}-{i}"
-            sample = await send(urls[target], model, prompt, workload.output_tokens, rid)
+            sample = await send(
+                urls[target], model, prompt, workload.output_tokens, rid, workload.sessions
+            )
             sample.target = target
             samples.append(sample)
 

@@ -59,7 +59,7 @@ def cmd_replicas(args: argparse.Namespace) -> int:
     workload = workload_from(args)
     policy = args.policy or default_policy(args.router)
     # A bad policy or log level fails before anything starts.
-    router = make_router(args.router, policy, args.router_log_level)
+    router = make_router(args.router, policy, args.router_log_level, args.sessions)
     print(f"starting {args.replicas} replicas ({args.device}) ...", flush=True)
     replicas = start_replicas(args, args.replicas, kv_events=policy == "kv_aware")
     try:

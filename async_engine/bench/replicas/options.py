@@ -42,6 +42,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "an opening burst no KV-event-fed router can place)",
     )
     p.add_argument(
+        "--sessions",
+        action="store_true",
+        help="each prompt group is a session: its requests carry x-session-id (as agent "
+        "clients send a conversation id), and vllm-router's kv_aware keeps a session on one "
+        "replica (--kv-aware-session-affinity-ttl-secs), even in the opening burst",
+    )
+    p.add_argument(
         "--cancel-probes",
         type=int,
         default=8,
@@ -70,4 +77,5 @@ def workload_from(args: argparse.Namespace) -> Workload:
         concurrency=args.concurrency,
         seed=args.workload_seed,
         ramp_ms=args.ramp_ms,
+        sessions=args.sessions,
     )

@@ -3,7 +3,8 @@
 
 - ``vllm-router``: its binary, given every replica's tap as a worker and ``--policy``;
   ``kv_aware`` also gets each replica's KV event endpoint (``--kv-event-source``), paired
-  with that replica's tap URL, which is the worker URL it routes to. The bench's prompts
+  with that replica's tap URL, which is the worker URL it routes to; with ``--sessions`` also
+  session affinity (a request's ``x-session-id`` keeps it on its session's replica). The bench's prompts
   are token ids, which kv_aware matches against the events' ``token_ids`` as they are; a
   text or chat prompt it would first send to the worker's ``/v1/completions/render`` (or
   ``/v1/chat/completions/render``) for its ids. Its own KV view (lookups that found a
@@ -36,6 +37,7 @@ VLLM_POLICIES = ("power_of_two", "cache_aware", "kv_aware", "round_robin", "rand
 ROUTER_LOG_LEVELS = ("debug", "info", "warning", "error")
 RAY_POLICIES = ("default", "prefix-affinity")
 START_TIMEOUT_S = 120.0
+SESSION_TTL_S = 300  # kv_aware's session affinity lets a session go after this long idle
 
 
 @dataclass(slots=True, frozen=True)
@@ -64,13 +66,15 @@ def default_policy(router: str) -> str:
     return RAY_POLICIES[0] if router == "ray" else "power_of_two"
 
 
-def make_router(router: str, policy: str, log_level: str = "warning") -> Router | None:
+def make_router(
+    router: str, policy: str, log_level: str = "warning", sessions: bool = False
+) -> Router | None:
     if router == "none":
         return None
     if router == "vllm-router":
         if policy not in VLLM_POLICIES:
             raise ValueError(f"vllm-router --policy must be one of {', '.join(VLLM_POLICIES)}")
-        return VllmRouter(policy, log_level)
+        return VllmRouter(policy, log_level, sessions)
     if router == "ray":
         if policy not in RAY_POLICIES:
             raise ValueError(f"ray --policy must be one of {', '.join(RAY_POLICIES)}")
@@ -81,13 +85,14 @@ def make_router(router: str, policy: str, log_level: str = "warning") -> Router 
 class VllmRouter:
     own_replicas = False
 
-    def __init__(self, policy: str, log_level: str = "warning") -> None:
+    def __init__(self, policy: str, log_level: str = "warning", sessions: bool = False) -> None:
         if log_level not in ROUTER_LOG_LEVELS:
             raise ValueError(f"--router-log-level must be one of {', '.join(ROUTER_LOG_LEVELS)}")
         self.binary = _vllm_router_binary()  # missing: fail before any replica starts
         self.policy = policy
         self.log_level = log_level
-        self.label = f"vllm-router {policy}"
+        self.sessions = sessions and policy == "kv_aware"  # the one policy here that reads them
+        self.label = f"vllm-router {policy}" + (" + sessions" if self.sessions else "")
         self.proc: subprocess.Popen | None = None
         self.log_path = os.path.join(tempfile.mkdtemp(prefix="bench-replicas-"), "router.log")
         self.metrics_url: str | None = None
@@ -100,6 +105,8 @@ class VllmRouter:
         cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
         if self.policy == "kv_aware":
             cmd += self._kv_event_args(given)
+        if self.sessions:
+            cmd += ["--kv-aware-session-affinity-ttl-secs", str(SESSION_TTL_S)]
         return cmd
 
     @staticmethod

@@ -9,7 +9,9 @@ The C streams start together unless ``ramp_ms`` staggers them. Together, the fir
 requests reach a router within a few ms, before any replica has prefilled (let alone
 announced in a KV event) a prefix: a router that learns prefixes only from KV events
 (vllm-router ``kv_aware``) cannot place the ones that repeat a group of that opening burst
-(``burst_repeats``), and a group it splits then stays split.
+(``burst_repeats``), and a group it splits then stays split. Unless the group is a session
+(``sessions``: as agent clients do, every request names its conversation), which a router
+can keep on one replica from its first request on.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Workload:
     concurrency: int = 16
     seed: int = 0
     ramp_ms: float = 0.0  # stream k sends its first request k * ramp_ms after the phase starts
+    sessions: bool = False  # each group is a session: its requests name it (x-session-id)
 
     def __post_init__(self) -> None:
         for name in ("groups", "per_group", "prefix_tokens", "suffix_tokens", "output_tokens"):
