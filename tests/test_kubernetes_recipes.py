@@ -89,6 +89,7 @@ def test_the_recipes_are_all_there():
     assert ("engine.yaml", "Deployment") in kinds
     assert ("inference-gateway.yaml", "InferencePool") in kinds
     assert ("vllm-router.yaml", "Deployment") in kinds
+    assert ("kv-aware.yaml", "StatefulSet") in kinds
 
 
 @pytest.mark.parametrize("item", DOCS, ids=_id)
@@ -118,8 +119,11 @@ def test_a_misspelt_field_fails_both_kinds_of_schema():
 
 
 # ------------------------------------------------------------------ cross-references
+WORKLOADS = _find("Deployment") + _find("StatefulSet")
+
+
 def _pods() -> list[dict[str, Any]]:
-    return [d["spec"]["template"] for d in _find("Deployment")]
+    return [d["spec"]["template"] for d in WORKLOADS]
 
 
 def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
@@ -134,8 +138,8 @@ def _container_ports(pod: dict[str, Any]) -> set[Any]:
     return ports - {None}
 
 
-@pytest.mark.parametrize("deployment", _find("Deployment"), ids=lambda d: d["metadata"]["name"])
-def test_deployments_select_their_own_pods_and_probe_their_own_ports(deployment):
+@pytest.mark.parametrize("deployment", WORKLOADS, ids=lambda d: d["metadata"]["name"])
+def test_workloads_select_their_own_pods_and_probe_their_own_ports(deployment):
     pod = deployment["spec"]["template"]
     assert _selects(deployment["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"])
     ports = _container_ports(pod)
@@ -164,19 +168,23 @@ def test_role_bindings_name_existing_roles_and_accounts():
             _one("ServiceAccount", subject["name"])
 
 
-def _engine() -> tuple[dict[str, Any], dict[str, Any]]:
-    deployment = _one("Deployment", "async-engine")
-    return deployment, deployment["spec"]["template"]["spec"]["containers"][0]
+ENGINES = [("Deployment", "async-engine"), ("StatefulSet", "async-engine-kv")]
+
+
+def _engine(kind: str = "Deployment", name: str = "async-engine") -> tuple[dict, dict]:
+    workload = _one(kind, name)
+    return workload, workload["spec"]["template"]["spec"]["containers"][0]
 
 
 def _port(container: dict[str, Any], name: str) -> int:
     return next(p["containerPort"] for p in container["ports"] if p["name"] == name)
 
 
-def test_the_engine_command_parses_with_our_cli_and_matches_its_ports():
+@pytest.mark.parametrize("engine", ENGINES, ids=lambda e: e[1])
+def test_the_engine_command_parses_with_our_cli_and_matches_its_ports(engine):
     from async_engine.cli.main import build_parser
 
-    deployment, container = _engine()
+    deployment, container = _engine(*engine)
     assert container["command"] == ["async-engine"]
     args = build_parser().parse_args(container["args"])
     assert args.command == "serve"
@@ -186,10 +194,11 @@ def test_the_engine_command_parses_with_our_cli_and_matches_its_ports():
     assert args.metrics_port == _port(container, "metrics")
 
 
-def test_the_grace_period_covers_the_pre_stop_sleep_and_the_drain():
+@pytest.mark.parametrize("engine", ENGINES, ids=lambda e: e[1])
+def test_the_grace_period_covers_the_pre_stop_sleep_and_the_drain(engine):
     from async_engine.cli.main import build_parser
 
-    deployment, container = _engine()
+    deployment, container = _engine(*engine)
     args = build_parser().parse_args(container["args"])
     sleep_s = container["lifecycle"]["preStop"]["sleep"]["seconds"]
     grace_s = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
@@ -267,3 +276,50 @@ def test_the_router_command_parses_with_vllm_router_and_finds_the_engine_pods():
     assert args.port == _port(container, "http")
     assert args.prometheus_port == _port(container, "metrics")
     assert args.policy in ("power_of_two", "cache_aware", "round_robin", "random")
+
+
+# ------------------------------------------------------------------ kv_aware recipe
+def _kv_engine_args() -> tuple[dict[str, Any], dict[str, Any], Any]:
+    from async_engine.cli.main import build_parser
+
+    stateful, container = _engine("StatefulSet", "async-engine-kv")
+    return stateful, container, build_parser().parse_args(container["args"])
+
+
+def test_the_kv_aware_engines_publish_kv_events_on_their_kv_port():
+    from async_engine.kv_events.publisher import binds
+
+    _, container, args = _kv_engine_args()
+    scheme, _, port = args.kv_events_endpoint.rpartition(":")
+    assert binds(args.kv_events_endpoint) and scheme == "tcp://*"  # every interface
+    assert int(port) == _port(container, "kv-events")
+
+
+def test_the_kv_aware_pods_have_stable_names_through_a_headless_service():
+    stateful, container, _ = _kv_engine_args()
+    service = _one("Service", stateful["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None"
+    assert _selects(service["spec"]["selector"], stateful["spec"]["template"]["metadata"]["labels"])
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == {"http", "kv-events"}
+
+
+def test_the_kv_aware_router_names_every_engine_pod_and_its_event_stream():
+    launch = pytest.importorskip("vllm_router.launch_router")
+    stateful, engine, engine_args = _kv_engine_args()
+    container = _one("Deployment", "vllm-router-kv")["spec"]["template"]["spec"]["containers"][0]
+    args = launch.parse_router_args(container["args"])
+    name, service = stateful["metadata"]["name"], stateful["spec"]["serviceName"]
+    hosts = [f"{name}-{k}.{service}" for k in range(stateful["spec"]["replicas"])]
+    urls = [f"http://{host}:{_port(engine, 'http')}" for host in hosts]
+    assert args.policy == "kv_aware"
+    assert args.worker_urls == urls
+    assert args.kv_event_source == [
+        f"{url}=tcp://{host}:{_port(engine, 'kv-events')}"
+        for url, host in zip(urls, hosts, strict=True)
+    ]
+    assert args.kv_event_block_size == engine_args.block_size
+    assert args.kv_event_model == engine_args.model  # the model name requests and events carry
+    assert args.kv_aware_session_affinity_ttl_secs and args.kv_aware_session_affinity_ttl_secs > 0
+    assert args.health_check_endpoint == "/health"
+    assert args.port == _port(container, "http")
+    assert args.prometheus_port == _port(container, "metrics")
