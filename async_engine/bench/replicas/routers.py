@@ -7,8 +7,9 @@
   also session affinity (a request's ``x-session-id`` keeps it on its session's replica).
   The bench's prompts are token ids, which kv_aware matches against the events'
   ``token_ids`` as they are; a text or chat prompt it would first send to the worker's
-  ``/v1/completions/render`` (or ``/v1/chat/completions/render``) for its ids. Its own KV view (lookups that found a
-  prefix, or not) is read from its Prometheus port (``kv_lookups``).
+  ``/v1/completions/render`` (or ``/v1/chat/completions/render``) for its ids. Its own KV
+  view (lookups that found a prefix, or not) is read from its Prometheus port
+  (``kv_lookups``).
 - ``ray``: Ray Serve starts replicas of its own (``async_engine.ray_serve``) and routes
   between them (policy ``default`` or ``prefix-affinity``); the bench's replicas and taps
   do not see that traffic, so per-replica numbers are not available for it.
