@@ -296,7 +296,7 @@ def test_the_kv_aware_engines_publish_kv_events_on_their_kv_port():
 
 
 def test_the_kv_aware_pods_have_stable_names_through_a_headless_service():
-    stateful, container, _ = _kv_engine_args()
+    stateful, _, _ = _kv_engine_args()
     service = _one("Service", stateful["spec"]["serviceName"])
     assert service["spec"]["clusterIP"] == "None"
     assert _selects(service["spec"]["selector"], stateful["spec"]["template"]["metadata"]["labels"])

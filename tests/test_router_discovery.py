@@ -5,7 +5,6 @@ CPU, live servers with the OpenAI HTTP API)."""
 
 from __future__ import annotations
 
-import http.client
 import json
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 import zmq
 from kv_subscriber import ANY_PORT, receive, subscriber
 from server_helpers import http_server
+from test_http import raw
 
 from async_engine.core.config import EngineConfig
 from async_engine.kv_events import attach_kv_events
@@ -58,15 +58,10 @@ def silent(tiny_model: Path):
 
 
 def get(server: BackgroundServer, path: str, body: dict | None = None) -> tuple[int, object]:
-    conn = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=30)
+    """GET ``path``, or POST ``body`` to it; the status and the JSON answer."""
     data = None if body is None else json.dumps(body).encode()
-    conn.request(
-        "GET" if body is None else "POST", path, data, {"Content-Type": "application/json"}
-    )
-    resp = conn.getresponse()
-    out = json.loads(resp.read())
-    conn.close()
-    return resp.status, out
+    status, _, out = raw(server, "GET" if body is None else "POST", path, data)
+    return status, json.loads(out)
 
 
 def test_server_info_names_the_served_model_and_the_block_size(publishing) -> None:
