@@ -14,7 +14,7 @@ from async_engine.model import cpu_kernels
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ on PATH")
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -22,14 +22,19 @@ def _cpu_flags() -> set[str]:
     return {f for line in text.splitlines() if line.startswith("flags") for f in line.split()}
 
 
-# Both builds on one machine: the native one (AVX512-BF16 here) and the AVX2 one an AMD EPYC
-# without AVX-512 runs. A CPU without AVX2/FMA/F16C cannot run the second.
+# Every build on one machine: the native one (AMX and AVX512-BF16 here), the one without AMX
+# (what an AVX512-BF16 CPU without AMX runs) and the AVX2 one an AMD EPYC without AVX-512
+# runs. Without AMX the second is the first again; without AVX2/FMA/F16C the third cannot run.
 ISAS = [
     "native",
     pytest.param(
+        "noamx",
+        marks=pytest.mark.skipif("amx_bf16" not in cpu_flags(), reason="CPU lacks AMX-BF16"),
+    ),
+    pytest.param(
         "avx2",
         marks=pytest.mark.skipif(
-            not {"avx2", "fma", "f16c"} <= _cpu_flags(), reason="CPU lacks AVX2+FMA+F16C"
+            not {"avx2", "fma", "f16c"} <= cpu_flags(), reason="CPU lacks AVX2+FMA+F16C"
         ),
     ),
 ]

@@ -1,5 +1,5 @@
 """The CPU kernels: built once per ISA, decode attention and the fused elementwise ops equal
-float32 torch references on both builds (native and the AVX2 one), and a failed build leaves
+float32 torch references on every build (native, native without AMX, and the AVX2 one), and a failed build leaves
 the torch path in charge. Prefill attention: test_cpu_prefill_kernels.py."""
 
 from __future__ import annotations
@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from cpu_kernel_cases import ISAS, decode_case, decode_reference, needs_compiler, switch_isa
+from cpu_kernel_cases import (
+    ISAS,
+    cpu_flags,
+    decode_case,
+    decode_reference,
+    needs_compiler,
+    switch_isa,
+)
 
 from async_engine.model import cpu_kernels
 from async_engine.model.attention_plan import AttentionPlan
@@ -39,7 +46,12 @@ def test_each_isa_builds_its_own_library(isa):
     assert cpu_kernels.available()
     path = cpu_kernels.library_path()
     assert path.exists() and f"-{isa}-" in path.name
-    assert cpu_kernels.isa() in ({"avx2"} if isa == "avx2" else {"avx512-bf16", "avx512", "avx2"})
+    built = {
+        "native": {"avx512-bf16-amx", "avx512-bf16", "avx512", "avx2"},
+        "noamx": {"avx512-bf16"},
+        "avx2": {"avx2"},
+    }
+    assert cpu_kernels.isa() in built[isa]
 
 
 def test_an_unknown_isa_falls_back_to_native(monkeypatch):
@@ -74,6 +86,87 @@ def test_decode_handles_one_kv_head_and_large_query_groups(isa, dtype, kv_dtype,
     torch.testing.assert_close(
         got.float(), decode_reference(q, k, v, tables, lens), atol=tol, rtol=tol
     )
+
+
+needs_amx = pytest.mark.skipif("amx_bf16" not in cpu_flags(), reason="CPU lacks AMX-BF16")
+# (heads, KV heads): the default model's groups of 3, one tile of 16, an 8B model's 32/8 in
+# two tiles of 16, groups of 1 (no GQA), and 5 groups of 3 that leave a tile's last column.
+AMX_HEADS = [(9, 3), (16, 1), (32, 8), (8, 8), (15, 5)]
+# Context lengths either side of the 16-row tiles and 32-position value chunks.
+AMX_LENS = (1, 2, 15, 16, 17, 31, 32, 33, 47, 64, 130, 300)
+
+
+@needs_compiler
+@needs_amx
+@pytest.mark.parametrize(("heads", "kv_heads"), AMX_HEADS, ids=lambda h: str(h))
+@pytest.mark.parametrize("dim", [64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("block", [16, 32], ids=lambda b: f"block{b}")
+def test_amx_decode_equals_the_float32_reference(heads, kv_heads, dim, block):
+    assert cpu_kernels.decode_kernel(BF16, BF16, heads, kv_heads, dim, block) == "amx"
+    q, k, v, tables, lens = decode_case(
+        BF16, heads=heads, kv_heads=kv_heads, dim=dim, block=block, lens=AMX_LENS
+    )
+    got = cpu_kernels.paged_decode(q, k, v, tables, lens)
+    torch.testing.assert_close(
+        got.float(), decode_reference(q, k, v, tables, lens), atol=TOL[BF16], rtol=TOL[BF16]
+    )
+
+
+@needs_compiler
+@needs_amx
+def test_amx_decode_never_reads_the_rows_past_a_context():
+    # Its tiles load a block's 16 rows whole; the rows past the context hold NaN here.
+    q, k, v, tables, lens = decode_case(BF16, heads=9, kv_heads=3, dim=64, block=16, lens=[17])
+    last = tables[0, 1]
+    k[last, 1:] = float("nan")
+    v[last, 1:] = float("nan")
+    got = cpu_kernels.paged_decode(q, k, v, tables, lens)
+    assert torch.isfinite(got.float()).all()
+    torch.testing.assert_close(
+        got.float(), decode_reference(q, k, v, tables, lens), atol=TOL[BF16], rtol=TOL[BF16]
+    )
+
+
+@needs_compiler
+@needs_amx
+def test_amx_decode_leaves_onednn_matmuls_between_its_calls_correct():
+    # Both use the tile registers: each configures its own, and neither's state leaks.
+    from async_engine.model.llama import linear, pack_weight
+
+    weight = pack_weight(torch.randn(256, 64).to(BF16))
+    x = torch.randn(40, 64).to(BF16)
+    before = linear(x, weight)
+    case = decode_case(BF16, heads=9, kv_heads=3, dim=64, block=16, lens=AMX_LENS)
+    first = cpu_kernels.paged_decode(*case)
+    assert torch.equal(linear(x, weight), before)
+    assert torch.equal(cpu_kernels.paged_decode(*case), first)
+    assert torch.equal(linear(x, weight), before)
+
+
+@needs_compiler
+def test_shapes_the_amx_kernel_does_not_take_run_elsewhere(isa):
+    # Blocks that split a 16-row tile, groups wider than a tile, other head sizes.
+    for heads, kv_heads, dim, block in [(9, 3, 64, 8), (32, 1, 64, 16), (9, 3, 32, 16)]:
+        kernel = cpu_kernels.decode_kernel(BF16, BF16, heads, kv_heads, dim, block)
+        assert kernel not in (None, "amx")
+        case = decode_case(BF16, heads=heads, kv_heads=kv_heads, dim=dim, block=block)
+        torch.testing.assert_close(
+            cpu_kernels.paged_decode(*case).float(),
+            decode_reference(*case),
+            atol=TOL[BF16],
+            rtol=TOL[BF16],
+        )
+
+
+@needs_compiler
+def test_the_build_without_amx_runs_the_avx512_bf16_kernel(monkeypatch):
+    if "avx512_bf16" not in cpu_flags():
+        pytest.skip("CPU lacks AVX512-BF16")
+    switch_isa(monkeypatch, "noamx")
+    try:
+        assert cpu_kernels.decode_kernel(BF16, BF16, 9, 3, 64, 16) == "avx512-bf16"
+    finally:
+        cpu_kernels.load.cache_clear()
 
 
 @needs_compiler

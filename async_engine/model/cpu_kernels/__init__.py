@@ -10,6 +10,8 @@ reason logged, and callers keep their torch path.
 
 What runs where (head_dim a multiple of the vector width for the vector kernels):
 
+- AMX-BF16 (with AVX512-BF16): bf16 decode attention on the tile unit, for head_dim 64 or
+  128, blocks of a multiple of 16 positions and query groups of at most 16 heads;
 - AVX512-BF16: bf16 attention in bf16 dot products; float32 attention (and a bf16 or fp16
   cache under float32 queries) in 16-lane float32 vectors;
 - AVX2+FMA (or AVX-512 without BF16): every attention in 8- (16-) lane float32 vectors,
@@ -55,6 +57,23 @@ def decode_supported(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int)
     if not available() or lib is None or codes is None:  # available(): what tests switch off
         return False
     return bool(lib.paged_decode_supported(*codes, head_dim))
+
+
+def decode_kernel(
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+) -> str | None:
+    """Which kernel ``paged_decode`` runs for this shape: "amx", "avx512-bf16", "vector" or
+    "generic"; None where none does."""
+    lib, codes = load(), _codes(q_dtype, kv_dtype)
+    if not available() or lib is None or codes is None:
+        return None
+    name = lib.paged_decode_kernel(*codes, heads, kv_heads, head_dim, block_size).decode()
+    return None if name == "none" else name
 
 
 def prefill_supported(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:

@@ -1,11 +1,13 @@
 """Compiling and loading the CPU kernels: one cached library per source, flags, ISA and CPU.
 
 ``ASYNC_ENGINE_CPU_ISA`` picks the instruction set: ``native`` (the default: everything this
-CPU has, AVX512-BF16 included where present) or ``avx2`` (``-march=haswell``: AVX2, FMA and
-F16C, no AVX-512), which runs on this machine the kernels an AMD EPYC without AVX-512 runs,
-so both paths are tested and measured on one AVX-512 machine. Each ISA has its own cached
-library and both may be loaded in one process (the tests do): they export only their entry
-points (``-fvisibility=hidden``), so neither binds to the other's symbols.
+CPU has, AVX512-BF16 and AMX included where present), ``noamx`` (native without AMX: the
+kernels a CPU with AVX512-BF16 but no AMX runs, e.g. AMD Zen 4) or ``avx2``
+(``-march=haswell``: AVX2, FMA and F16C, no AVX-512), which runs on this machine the kernels
+an AMD EPYC without AVX-512 runs, so every path is tested and measured on one AMX machine.
+Each ISA has its own cached library and all may be loaded in one process (the tests do):
+they export only their entry points (``-fvisibility=hidden``), so none binds to another's
+symbols.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ SOURCES = tuple(
     for name in (
         "paged_decode.cpp",
         "paged_decode_vec.cpp",
+        "paged_decode_amx.cpp",
         "paged_prefill.cpp",
         "paged_prefill_vec.cpp",
         "elementwise.cpp",
@@ -35,7 +38,11 @@ SOURCES = tuple(
 HEADERS = tuple(HERE / name for name in ("bf16.h", "vec.h", "kernels.h"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fvisibility=hidden")
 ISA_ENV = "ASYNC_ENGINE_CPU_ISA"
-ISA_FLAGS = {"native": ("-march=native",), "avx2": ("-march=haswell",)}
+ISA_FLAGS = {
+    "native": ("-march=native",),
+    "noamx": ("-march=native", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"),
+    "avx2": ("-march=haswell",),
+}
 
 
 @functools.cache
@@ -134,8 +141,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         norm.argtypes = [ptr, i64, ptr, i64, i64, f32, ptr]
         silu.argtypes = [ptr, i64, i64, ptr]
         rope.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr]
-    lib.kernel_isa.restype = ctypes.c_char_p
+    lib.kernel_isa.restype = lib.paged_decode_kernel.restype = ctypes.c_char_p
     lib.kernel_isa.argtypes = []
+    lib.paged_decode_kernel.argtypes = [i32] * 6
 
 
 @functools.cache

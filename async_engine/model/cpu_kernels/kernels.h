@@ -40,4 +40,18 @@ bool decode_vec(DType qt, DType kt, const void* q, const Paged& cache,
 bool prefill_vec(DType qt, DType kt, const void* q, const Paged& cache, const Chunks& chunks,
                  int heads, float scale, void* out);
 
+// Decode of bf16 q over a bf16 cache on AMX tiles (paged_decode_amx.cpp), arguments as
+// paged_decode's. False (nothing ran) without AMX, for head_dim other than 64 and 128,
+// blocks not a multiple of 16 positions or query groups over 16 heads.
+bool decode_amx(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                const int64_t* block_tables, int64_t max_blocks, const int64_t* context_lens,
+                int batch, int heads, int kv_heads, int head_dim, int block_size, float scale,
+                uint16_t* out);
+
+// Whether decode_amx runs for this shape here (the build has AMX, Linux grants the tiles).
+bool amx_applies(int heads, int kv_heads, int head_dim, int block_size);
+
+// Whether this build has the AMX kernel.
+bool amx_built();
+
 }  // namespace kernels

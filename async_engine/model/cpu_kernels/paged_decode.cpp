@@ -1,12 +1,12 @@
 // Decode attention that reads the paged KV cache in place (no gather), for the CPU device.
 //
 // One query token per sequence; scores and the softmax in float32 whatever the cache dtype.
-// Three implementations, the first that applies runs (see paged_decode at the end):
-// bf16 dot products on AVX512-BF16 (here), float32 vectors on AVX2 or AVX-512 with bf16 or
-// fp16 caches widened in registers (paged_decode_vec.cpp), and generic loops (here) that the
-// compiler vectorises as it can, for other CPUs and head sizes. The generic loops split
-// work over sequences with OpenMP; each K/V position's row (every KV head, contiguous in the
-// cache) is loaded once for all heads.
+// Four implementations, the first that applies runs (see paged_decode at the end): AMX
+// tiles (paged_decode_amx.cpp), bf16 dot products on AVX512-BF16 (here), float32 vectors on
+// AVX2 or AVX-512 with bf16 or fp16 caches widened in registers (paged_decode_vec.cpp), and
+// generic loops (here) that the compiler vectorises as it can, for other CPUs and head sizes.
+// The generic loops split work over sequences with OpenMP; each K/V position's row (every KV
+// head, contiguous in the cache) is loaded once for all heads.
 //
 // Layouts (contiguous, row-major):
 //   q            [B, H, D]
@@ -258,14 +258,35 @@ int paged_decode_supported(int q_type, int kv_type, int head_dim) {
     return generic || vec_supported(qt, kt, head_dim);
 }
 
-// Decode attention; the caller checked paged_decode_supported. The bf16 dot products of
-// AVX512-BF16 first, then the float32 vector kernels, then the generic loops.
+// Which implementation paged_decode runs for these arguments: "amx", "avx512-bf16",
+// "vector", "generic" or "none" (unsupported).
+const char* paged_decode_kernel(int q_type, int kv_type, int heads, int kv_heads, int head_dim,
+                                int block_size) {
+    const auto qt = static_cast<DType>(q_type), kt = static_cast<DType>(kv_type);
+    if (!paged_decode_supported(q_type, kv_type, head_dim)) return "none";
+    if (qt == BF16 && kt == BF16) {
+        if (amx_applies(heads, kv_heads, head_dim, block_size)) return "amx";
+#if defined(KERNELS_BF16_FAST)
+        if (head_dim == 64 || head_dim == 128) return "avx512-bf16";
+#endif
+    }
+    return vec_supported(qt, kt, head_dim) ? "vector" : "generic";
+}
+
+// Decode attention; the caller checked paged_decode_supported. AMX tiles first, the bf16
+// dot products of AVX512-BF16 next, then the float32 vector kernels, then the generic loops.
 void paged_decode(int q_type, int kv_type, const void* q, const void* k_cache,
                   const void* v_cache, const int64_t* block_tables, int64_t max_blocks,
                   const int64_t* context_lens, int batch, int heads, int kv_heads, int head_dim,
                   int block_size, float scale, void* out) {
     const auto qt = static_cast<DType>(q_type), kt = static_cast<DType>(kv_type);
     using u16 = uint16_t;
+    if (qt == BF16 && kt == BF16 &&
+        decode_amx(static_cast<const u16*>(q), static_cast<const u16*>(k_cache),
+                   static_cast<const u16*>(v_cache), block_tables, max_blocks, context_lens,
+                   batch, heads, kv_heads, head_dim, block_size, scale, static_cast<u16*>(out))) {
+        return;
+    }
     if (qt == BF16 && kt == BF16 &&
         paged_decode_fast(static_cast<const u16*>(q), static_cast<const u16*>(k_cache),
                           static_cast<const u16*>(v_cache), block_tables, max_blocks,

@@ -208,7 +208,7 @@ extern "C" {
 // The instruction set the build's vector kernels use: what `bench offline` prints.
 const char* kernel_isa() {
 #if defined(KERNELS_BF16_FAST)
-    return "avx512-bf16";
+    return kernels::amx_built() ? "avx512-bf16-amx" : "avx512-bf16";
 #elif defined(__AVX512F__)
     return "avx512";
 #elif defined(KERNELS_VEC)
