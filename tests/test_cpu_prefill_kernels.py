@@ -1,6 +1,6 @@
-"""The CPU prefill-attention kernel on both builds (native and AVX2) equals causal attention
-in float32 torch, and the default model's forward gives the torch path's logits with the
-kernels on, in float32 and bf16, on both builds."""
+"""The CPU prefill-attention kernel on every build (native, without AMX, and AVX2) equals
+causal attention in float32 torch, and the default model's forward gives the torch path's
+logits with the kernels on, in float32 and bf16, on every build."""
 
 from __future__ import annotations
 
@@ -45,6 +45,21 @@ def test_prefill_equals_causal_attention(isa, dtype, kv_dtype, dim, heads, kv_he
     cpu_kernels.paged_prefill(*args, out)
     tol = TOL[dtype]
     torch.testing.assert_close(out.float(), prefill_reference(*args), atol=tol, rtol=tol)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dim", [64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (32, 8), (20, 1)])
+def test_bf16_prefill_of_long_chunks_equals_causal_attention(isa, dim, heads, kv_heads):
+    # Chunks over one task's 128 query tokens (the AMX kernel's), after a cached prefix and
+    # not, and groups wider than a 16-row tile.
+    _skip_unless_supported(BF16, BF16, dim, isa)
+    args = prefill_case(BF16, BF16, dim, heads, kv_heads, chunks=((0, 300), (150, 200), (40, 1)))
+    out = torch.zeros_like(args[0])
+    cpu_kernels.paged_prefill(*args, out)
+    torch.testing.assert_close(
+        out.float(), prefill_reference(*args), atol=TOL[BF16], rtol=TOL[BF16]
+    )
 
 
 @needs_compiler

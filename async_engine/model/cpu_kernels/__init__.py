@@ -10,8 +10,8 @@ reason logged, and callers keep their torch path.
 
 What runs where (head_dim a multiple of the vector width for the vector kernels):
 
-- AMX-BF16 (with AVX512-BF16): bf16 decode attention on the tile unit, for head_dim 64 or
-  128, blocks of a multiple of 16 positions and query groups of at most 16 heads;
+- AMX-BF16 (with AVX512-BF16): bf16 attention on the tile unit, for head_dim 64 or 128
+  (decode also needs blocks of a multiple of 16 positions and groups of at most 16 heads);
 - AVX512-BF16: bf16 attention in bf16 dot products; float32 attention (and a bf16 or fp16
   cache under float32 queries) in 16-lane float32 vectors;
 - AVX2+FMA (or AVX-512 without BF16): every attention in 8- (16-) lane float32 vectors,

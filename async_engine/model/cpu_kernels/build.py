@@ -32,10 +32,11 @@ SOURCES = tuple(
         "paged_decode_amx.cpp",
         "paged_prefill.cpp",
         "paged_prefill_vec.cpp",
+        "paged_prefill_amx.cpp",
         "elementwise.cpp",
     )
 )
-HEADERS = tuple(HERE / name for name in ("bf16.h", "vec.h", "kernels.h"))
+HEADERS = tuple(HERE / name for name in ("bf16.h", "vec.h", "kernels.h", "amx.h"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fvisibility=hidden")
 ISA_ENV = "ASYNC_ENGINE_CPU_ISA"
 ISA_FLAGS = {

@@ -51,7 +51,12 @@ bool decode_amx(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_ca
 // Whether decode_amx runs for this shape here (the build has AMX, Linux grants the tiles).
 bool amx_applies(int heads, int kv_heads, int head_dim, int block_size);
 
-// Whether this build has the AMX kernel.
+// Causal prefill of bf16 q over a bf16 cache on AMX tiles (paged_prefill_amx.cpp), arguments
+// as prefill_vec's. False (nothing ran) without AMX or for head_dim other than 64 and 128.
+bool prefill_amx(const uint16_t* q, const Paged& cache, const Chunks& chunks, int heads,
+                 float scale, uint16_t* out);
+
+// Whether this build has the AMX kernels.
 bool amx_built();
 
 }  // namespace kernels

@@ -16,55 +16,21 @@
 //            interleaved into the pair layout the tile unit multiplies.
 // Needs blocks of a multiple of 16 positions (a tile's rows never leave a block) and
 // head_dim 64 or 128; elsewhere it declines and the AVX512-BF16 kernel runs.
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "vec.h"
 
 namespace kernels {
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(KERNELS_BF16_FAST)
-#define KERNELS_AMX 1
+#if defined(KERNELS_AMX)
 namespace {
 
 constexpr int ROWS = 16;              // a tile's rows; every tile here is 16 rows of 64 bytes
 constexpr int TILE_ELEMS = ROWS * 32;  // bf16 elements in one tile
 // Every tile is 16 rows of 64 bytes; the intrinsics name them by literal number.
-
-struct alignas(64) TileConfig {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-constexpr TileConfig eight_tiles() {
-    TileConfig cfg{};
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = ROWS;
-    }
-    return cfg;
-}
-
-// A constant, whole before any ldtilecfg reads it: a configuration built on the stack was
-// once loaded before the compiler had zeroed its reserved bytes (a fault).
-constexpr TileConfig TILES = eight_tiles();
-
-// Linux hands out the tile registers' state only on request, once per process.
-bool tiles_permitted() {
-    static const bool permitted = [] {
-        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    }();
-    return permitted;
-}
-
-void configure_tiles() { _tile_loadconfig(&TILES); }
 
 // Where position `pos` of a sequence starts in the cache (elements).
 struct Positions {
@@ -331,7 +297,7 @@ void decode_batch(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
                             out + at + first);
             }
         }
-        _tile_release();  // the next user of the tiles (oneDNN) configures its own
+        _tile_release();
     }
 }
 

@@ -1,5 +1,6 @@
 // Causal attention for prefill chunks over the paged KV cache, for the CPU device: the bf16
-// kernel for AVX512-BF16 here, the float32 vector one (AVX2, AVX-512) in paged_prefill_vec.cpp.
+// kernel for AVX512-BF16 here, the AMX one in paged_prefill_amx.cpp, the float32 vector one
+// (AVX2, AVX-512) in paged_prefill_vec.cpp.
 //
 // A flash-attention loop: each task takes up to 32 query tokens of one sequence and the G
 // query heads of one KV head (so 32 G query rows share every K/V tile it builds), walks the
@@ -234,8 +235,8 @@ int paged_prefill_supported(int q_type, int kv_type, int head_dim) {
     return vec_supported(qt, kt, head_dim);
 }
 
-// Causal prefill attention; the caller checked paged_prefill_supported. The bf16 dot
-// products of AVX512-BF16 where they apply, else the float32 vector kernels.
+// Causal prefill attention; the caller checked paged_prefill_supported. AMX tiles where they
+// apply, then the bf16 dot products of AVX512-BF16, else the float32 vector kernels.
 void paged_prefill(int q_type, int kv_type, const void* q, const void* k_cache,
                    const void* v_cache, const int64_t* block_tables, int64_t max_blocks,
                    const int64_t* q_starts, const int64_t* q_lens, const int64_t* ctx_lens,
@@ -244,6 +245,11 @@ void paged_prefill(int q_type, int kv_type, const void* q, const void* k_cache,
     const auto qt = static_cast<DType>(q_type), kt = static_cast<DType>(kv_type);
     const Paged cache{k_cache, v_cache, block_tables, max_blocks, kv_heads, head_dim, block_size};
     const Chunks chunks{q_starts, q_lens, ctx_lens, num_seqs};
+    if (qt == BF16 && kt == BF16 &&
+        prefill_amx(static_cast<const uint16_t*>(q), cache, chunks, heads, scale,
+                    static_cast<uint16_t*>(out))) {
+        return;
+    }
     if (qt == BF16 && kt == BF16 &&
         prefill_bf16_fast(static_cast<const uint16_t*>(q), cache, chunks, heads, scale,
                           static_cast<uint16_t*>(out))) {
