@@ -36,7 +36,9 @@ SOURCES = tuple(
         "elementwise.cpp",
     )
 )
-HEADERS = tuple(HERE / name for name in ("bf16.h", "vec.h", "kernels.h", "amx.h"))
+HEADERS = tuple(
+    HERE / name for name in ("bf16.h", "vec.h", "kernels.h", "amx.h", "prefill_tiles.h")
+)
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fvisibility=hidden")
 ISA_ENV = "ASYNC_ENGINE_CPU_ISA"
 ISA_FLAGS = {

@@ -19,12 +19,13 @@
 
 #include "bf16.h"
 #include "kernels.h"
+#include "prefill_tiles.h"
 
 namespace {
 using namespace kernels;
 
 #if defined(KERNELS_BF16_FAST)
-constexpr int TILE = 32;   // keys per tile: two vectors of 16 lanes
+constexpr int TILE = KEY_TILE;  // keys per tile: two vectors of 16 lanes
 constexpr int QTILE = 32;  // query tokens per task: each K/V tile built serves 32 G rows
 
 // exp over 16 lanes (x <= 0), the scalar fast_exp's polynomial in vector form.
@@ -51,20 +52,13 @@ inline __m512bh q_pair(uint32_t pair) {
     return (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
 }
 
-struct Seq {
-    int64_t q_start, q_len, ctx;
-    const int64_t* table;
-};
-
 template <int DV>
 void prefill_task(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
-                  const Seq& seq, int kvh, int64_t t0, int heads, int kv_heads,
+                  const PrefillSeq& seq, int kvh, int64_t t0, int heads, int kv_heads,
                   int block_size, float scale, uint16_t* out) {
     constexpr int D = 16 * DV;
     constexpr int RB = DV <= 4 ? 4 : 2;  // rows interleaved: their accumulators fit registers
     const int group = heads / kv_heads;
-    const int64_t row_width = static_cast<int64_t>(kv_heads) * D;
-    const int64_t block_stride = row_width * block_size;
     const int64_t tokens = seq.q_len - t0 < QTILE ? seq.q_len - t0 : QTILE;
     const int64_t first_pos = seq.ctx - seq.q_len + t0;  // absolute position of token t0
     const int rows = static_cast<int>(tokens) * group;   // row r: token r / group, head r % group
@@ -77,16 +71,7 @@ void prefill_task(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
 
     for (int64_t k0 = 0; k0 <= last_key; k0 += TILE) {
         const int nk = static_cast<int>(last_key + 1 - k0 < TILE ? last_key + 1 - k0 : TILE);
-        for (int i = 0; i < TILE; ++i) {
-            const int64_t key = k0 + (i < nk ? i : nk - 1);  // pad with a real row (masked)
-            const int64_t at = seq.table[key / block_size] * block_stride +
-                               (key % block_size) * row_width + static_cast<int64_t>(kvh) * D;
-            const uint32_t* krow = reinterpret_cast<const uint32_t*>(k_cache + at);
-            for (int j = 0; j < D / 2; ++j) kt[j][i] = krow[j];
-            const uint16_t* vrow = v_cache + at;
-            uint16_t* dst = reinterpret_cast<uint16_t*>(vp[i / 2]) + (i % 2);
-            for (int d = 0; d < D; ++d) dst[2 * d] = vrow[d];
-        }
+        pack_key_tile<D>(k_cache, v_cache, seq, kvh, kv_heads, block_size, k0, nk, kt, vp);
         // RB rows at a time, their steps interleaved: one row alone is a chain of dependent
         // instructions (dot products, max, exp, sum, then the P.V products) that leaves the
         // core waiting on latency; RB independent chains fill it.
@@ -166,17 +151,7 @@ void prefill_task(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
             }
         }
     }
-    for (int r = 0; r < rows; ++r) {
-        const int64_t t = r / group;
-        const int h = kvh * group + r % group;
-        const __m512 inv = _mm512_set1_ps(1.0f / sum[r]);
-        uint16_t* orow = out + ((seq.q_start + t0 + t) * heads + h) * D;
-        for (int c = 0; c < DV; ++c) {
-            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(acc.data() + r * D + 16 * c), inv);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + 16 * c),
-                                (__m256i)_mm512_cvtneps_pbh(x));
-        }
-    }
+    write_rows<D>(acc.data(), sum.data(), rows, seq, t0, kvh, group, heads, out);
 }
 #endif
 
@@ -186,32 +161,20 @@ bool prefill_bf16_fast(const uint16_t* q, const Paged& cache, const Chunks& chun
 #if defined(KERNELS_BF16_FAST)
     const int head_dim = cache.head_dim;
     if (head_dim != 64 && head_dim != 128) return false;
-    struct Task {
-        int seq, kvh;
-        int64_t t0;
-    };
-    std::vector<Seq> seqs(chunks.num_seqs);
-    std::vector<Task> tasks;
-    for (int s = 0; s < chunks.num_seqs; ++s) {
-        const int64_t q_len = chunks.q_lens[s];
-        seqs[s] = {chunks.q_starts[s], q_len, chunks.ctx_lens[s],
-                   cache.block_tables + s * cache.max_blocks};
-        // Longest first (the last tokens see the most keys), so the threads finish together.
-        for (int64_t t0 = (q_len - 1) / QTILE * QTILE; t0 >= 0; t0 -= QTILE)
-            for (int kvh = 0; kvh < cache.kv_heads; ++kvh) tasks.push_back({s, kvh, t0});
-    }
+    const PrefillTasks work = prefill_tasks(cache, chunks, QTILE);
     const auto* k_cache = static_cast<const uint16_t*>(cache.k_cache);
     const auto* v_cache = static_cast<const uint16_t*>(cache.v_cache);
-    const int64_t n = static_cast<int64_t>(tasks.size());
+    const int64_t n = static_cast<int64_t>(work.tasks.size());
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
-        const Task& task = tasks[i];
+        const PrefillTask& task = work.tasks[i];
+        const PrefillSeq& seq = work.seqs[task.seq];
         if (head_dim == 64) {
-            prefill_task<4>(q, k_cache, v_cache, seqs[task.seq], task.kvh, task.t0, heads,
-                            cache.kv_heads, cache.block_size, scale, out);
+            prefill_task<4>(q, k_cache, v_cache, seq, task.kvh, task.t0, heads, cache.kv_heads,
+                            cache.block_size, scale, out);
         } else {
-            prefill_task<8>(q, k_cache, v_cache, seqs[task.seq], task.kvh, task.t0, heads,
-                            cache.kv_heads, cache.block_size, scale, out);
+            prefill_task<8>(q, k_cache, v_cache, seq, task.kvh, task.t0, heads, cache.kv_heads,
+                            cache.block_size, scale, out);
         }
     }
     return true;

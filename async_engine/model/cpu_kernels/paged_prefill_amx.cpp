@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "prefill_tiles.h"
 #include "vec.h"
 
 namespace kernels {
@@ -25,14 +26,9 @@ namespace kernels {
 #if defined(KERNELS_AMX)
 namespace {
 
-constexpr int KEYS = 32;   // keys per tile
+constexpr int KEYS = KEY_TILE;
 constexpr int QTOK = 128;  // query tokens per task (32: 10 % slower at 8000 tokens)
 constexpr int TROWS = 16;  // rows per tile
-
-struct Seq {
-    int64_t q_start, q_len, ctx;
-    const int64_t* table;
-};
 
 // The four accumulators 4..7 over 64 columns of V from `vp` (column 0 there): T += P V.
 inline void values_64(const uint32_t* vp, int64_t row_bytes) {
@@ -55,12 +51,10 @@ inline void store_64(float* t, int64_t row_bytes) {
 
 template <int D>
 void prefill_task(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
-                  const Seq& seq, int kvh, int64_t t0, int heads, int kv_heads, int block_size,
-                  float scale, uint16_t* out) {
+                  const PrefillSeq& seq, int kvh, int64_t t0, int heads, int kv_heads,
+                  int block_size, float scale, uint16_t* out) {
     constexpr int DQ = D / 32;
     const int group = heads / kv_heads;
-    const int64_t row_width = static_cast<int64_t>(kv_heads) * D;
-    const int64_t block_stride = row_width * block_size;
     const int64_t tokens = seq.q_len - t0 < QTOK ? seq.q_len - t0 : QTOK;
     const int64_t first_pos = seq.ctx - seq.q_len + t0;  // absolute position of token t0
     const int rows = static_cast<int>(tokens) * group;
@@ -87,16 +81,7 @@ void prefill_task(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
 
     for (int64_t k0 = 0; k0 <= last_key; k0 += KEYS) {
         const int nk = static_cast<int>(last_key + 1 - k0 < KEYS ? last_key + 1 - k0 : KEYS);
-        for (int i = 0; i < KEYS; ++i) {
-            const int64_t key = k0 + (i < nk ? i : nk - 1);  // pad with a real row (masked)
-            const int64_t at = seq.table[key / block_size] * block_stride +
-                               (key % block_size) * row_width + static_cast<int64_t>(kvh) * D;
-            const uint32_t* krow = reinterpret_cast<const uint32_t*>(k_cache + at);
-            for (int j = 0; j < D / 2; ++j) kt[j][i] = krow[j];
-            const uint16_t* vrow = v_cache + at;
-            uint16_t* dst = reinterpret_cast<uint16_t*>(vp[i / 2]) + (i % 2);
-            for (int d = 0; d < D; ++d) dst[2 * d] = vrow[d];
-        }
+        pack_key_tile<D>(k_cache, v_cache, seq, kvh, kv_heads, block_size, k0, nk, kt, vp);
         for (int tile = 0; tile < tiles; ++tile) {
             const int r0 = tile * TROWS;
             // Rows run token-major, so a tile's last row sees the most keys.
@@ -162,17 +147,7 @@ void prefill_task(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
             }
         }
     }
-    for (int r = 0; r < rows; ++r) {
-        const int64_t t = r / group;
-        const int h = kvh * group + r % group;
-        const vf inv = vset1(1.0f / sum[r]);
-        uint16_t* orow = out + ((seq.q_start + t0 + t) * heads + h) * D;
-        for (int d = 0; d < D; d += 16) {
-            const vf x = vmul(vload(acc.data() + static_cast<size_t>(r) * D + d), inv);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + d),
-                                (__m256i)_mm512_cvtneps_pbh(x));
-        }
-    }
+    write_rows<D>(acc.data(), sum.data(), rows, seq, t0, kvh, group, heads, out);
 }
 
 }  // namespace
@@ -183,34 +158,22 @@ bool prefill_amx(const uint16_t* q, const Paged& cache, const Chunks& chunks, in
 #if defined(KERNELS_AMX)
     const int head_dim = cache.head_dim;
     if ((head_dim != 64 && head_dim != 128) || !tiles_permitted()) return false;
-    struct Task {
-        int seq, kvh;
-        int64_t t0;
-    };
-    std::vector<Seq> seqs(chunks.num_seqs);
-    std::vector<Task> tasks;
-    for (int s = 0; s < chunks.num_seqs; ++s) {
-        const int64_t q_len = chunks.q_lens[s];
-        seqs[s] = {chunks.q_starts[s], q_len, chunks.ctx_lens[s],
-                   cache.block_tables + s * cache.max_blocks};
-        // Longest first (the last tokens see the most keys), so the threads finish together.
-        for (int64_t t0 = (q_len - 1) / QTOK * QTOK; t0 >= 0; t0 -= QTOK)
-            for (int kvh = 0; kvh < cache.kv_heads; ++kvh) tasks.push_back({s, kvh, t0});
-    }
+    const PrefillTasks work = prefill_tasks(cache, chunks, QTOK);
     const auto* k_cache = static_cast<const uint16_t*>(cache.k_cache);
     const auto* v_cache = static_cast<const uint16_t*>(cache.v_cache);
-    const int64_t n = static_cast<int64_t>(tasks.size());
+    const int64_t n = static_cast<int64_t>(work.tasks.size());
 #pragma omp parallel
     {
         configure_tiles();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n; ++i) {
-            const Task& task = tasks[i];
+            const PrefillTask& task = work.tasks[i];
+            const PrefillSeq& seq = work.seqs[task.seq];
             if (head_dim == 64) {
-                prefill_task<64>(q, k_cache, v_cache, seqs[task.seq], task.kvh, task.t0, heads,
+                prefill_task<64>(q, k_cache, v_cache, seq, task.kvh, task.t0, heads,
                                  cache.kv_heads, cache.block_size, scale, out);
             } else {
-                prefill_task<128>(q, k_cache, v_cache, seqs[task.seq], task.kvh, task.t0, heads,
+                prefill_task<128>(q, k_cache, v_cache, seq, task.kvh, task.t0, heads,
                                   cache.kv_heads, cache.block_size, scale, out);
             }
         }
