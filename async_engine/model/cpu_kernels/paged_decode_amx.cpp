@@ -173,8 +173,14 @@ class Workspace {
     void value_pass(const HeadTile& t) {
         constexpr int rounds = DV / 4;
         const size_t buffer = static_cast<size_t>(t.kvs) * DV * TILE_ELEMS;
-        std::fill(acc_.begin(), acc_.end(), 0.0f);
-        if (rounds == 1) load_accumulators(0);
+        if (rounds == 1) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+        } else {
+            std::fill(acc_.begin(), acc_.end(), 0.0f);
+        }
         pack_values(t, 0, v_tiles_.data());
         for (int64_t p0 = 0, chunk = 0; p0 < ctx_; p0 += 2 * ROWS, ++chunk) {
             prefetch_ahead(v_, p0 + 4 * ROWS);
