@@ -14,6 +14,8 @@
 
 namespace kernels {
 
+constexpr int TILE_ROWS = 16;  // every tile the kernels configure: 16 rows of 64 bytes
+
 struct alignas(64) TileConfig {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -25,7 +27,7 @@ constexpr TileConfig eight_tiles() {
     cfg.palette = 1;
     for (int t = 0; t < 8; ++t) {
         cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
+        cfg.rows[t] = TILE_ROWS;
     }
     return cfg;
 }

@@ -246,6 +246,23 @@ bool paged_decode_fast(const uint16_t*, const uint16_t*, const uint16_t*, const 
 }
 #endif
 
+enum class DecodeKernel { None, Amx, Bf16, Vector, Generic };
+
+// The one place that decides which implementation runs: paged_decode dispatches on it and
+// paged_decode_kernel names it.
+DecodeKernel choose_decode(DType qt, DType kt, int heads, int kv_heads, int head_dim,
+                           int block_size) {
+    const bool generic = qt == kt && (qt == F32 || qt == BF16);  // any head_dim
+    if (!generic && !vec_supported(qt, kt, head_dim)) return DecodeKernel::None;
+    if (qt == BF16 && kt == BF16) {
+        if (amx_applies(heads, kv_heads, head_dim, block_size)) return DecodeKernel::Amx;
+#if defined(KERNELS_BF16_FAST)
+        if (head_dim == 64 || head_dim == 128) return DecodeKernel::Bf16;
+#endif
+    }
+    return vec_supported(qt, kt, head_dim) ? DecodeKernel::Vector : DecodeKernel::Generic;
+}
+
 }  // namespace
 
 extern "C" {
@@ -253,24 +270,28 @@ extern "C" {
 
 // 1 where paged_decode runs for these dtype codes (kernels.h) and head_dim, else 0.
 int paged_decode_supported(int q_type, int kv_type, int head_dim) {
+    // The shape arguments only pick among kernels that all run: any will do here.
     const auto qt = static_cast<DType>(q_type), kt = static_cast<DType>(kv_type);
-    const bool generic = qt == kt && (qt == F32 || qt == BF16);  // any head_dim
-    return generic || vec_supported(qt, kt, head_dim);
+    return choose_decode(qt, kt, 1, 1, head_dim, 1) != DecodeKernel::None;
 }
 
 // Which implementation paged_decode runs for these arguments: "amx", "avx512-bf16",
 // "vector", "generic" or "none" (unsupported).
 const char* paged_decode_kernel(int q_type, int kv_type, int heads, int kv_heads, int head_dim,
                                 int block_size) {
-    const auto qt = static_cast<DType>(q_type), kt = static_cast<DType>(kv_type);
-    if (!paged_decode_supported(q_type, kv_type, head_dim)) return "none";
-    if (qt == BF16 && kt == BF16) {
-        if (amx_applies(heads, kv_heads, head_dim, block_size)) return "amx";
-#if defined(KERNELS_BF16_FAST)
-        if (head_dim == 64 || head_dim == 128) return "avx512-bf16";
-#endif
+    switch (choose_decode(static_cast<DType>(q_type), static_cast<DType>(kv_type), heads,
+                          kv_heads, head_dim, block_size)) {
+        case DecodeKernel::Amx:
+            return "amx";
+        case DecodeKernel::Bf16:
+            return "avx512-bf16";
+        case DecodeKernel::Vector:
+            return "vector";
+        case DecodeKernel::Generic:
+            return "generic";
+        default:
+            return "none";
     }
-    return vec_supported(qt, kt, head_dim) ? "vector" : "generic";
 }
 
 // Decode attention; the caller checked paged_decode_supported. AMX tiles first, the bf16
@@ -281,29 +302,37 @@ void paged_decode(int q_type, int kv_type, const void* q, const void* k_cache,
                   int block_size, float scale, void* out) {
     const auto qt = static_cast<DType>(q_type), kt = static_cast<DType>(kv_type);
     using u16 = uint16_t;
-    if (qt == BF16 && kt == BF16 &&
-        decode_amx(static_cast<const u16*>(q), static_cast<const u16*>(k_cache),
-                   static_cast<const u16*>(v_cache), block_tables, max_blocks, context_lens,
-                   batch, heads, kv_heads, head_dim, block_size, scale, static_cast<u16*>(out))) {
-        return;
-    }
-    if (qt == BF16 && kt == BF16 &&
-        paged_decode_fast(static_cast<const u16*>(q), static_cast<const u16*>(k_cache),
-                          static_cast<const u16*>(v_cache), block_tables, max_blocks,
-                          context_lens, batch, heads, kv_heads, head_dim, block_size, scale,
-                          static_cast<u16*>(out))) {
-        return;
-    }
+    const auto* qb = static_cast<const u16*>(q);
+    const auto* kb = static_cast<const u16*>(k_cache);
+    const auto* vb = static_cast<const u16*>(v_cache);
     const Paged cache{k_cache, v_cache, block_tables, max_blocks, kv_heads, head_dim, block_size};
-    if (decode_vec(qt, kt, q, cache, context_lens, batch, heads, scale, out)) return;
-    if (qt == F32 && kt == F32) {
-        paged_decode_generic(static_cast<const float*>(q), static_cast<const float*>(k_cache),
-                     static_cast<const float*>(v_cache), block_tables, max_blocks, context_lens,
-                     batch, heads, kv_heads, head_dim, block_size, scale, static_cast<float*>(out));
-    } else if (qt == BF16 && kt == BF16) {
-        paged_decode_generic(static_cast<const u16*>(q), static_cast<const u16*>(k_cache),
-                     static_cast<const u16*>(v_cache), block_tables, max_blocks, context_lens,
-                     batch, heads, kv_heads, head_dim, block_size, scale, static_cast<u16*>(out));
+    switch (choose_decode(qt, kt, heads, kv_heads, head_dim, block_size)) {
+        case DecodeKernel::Amx:
+            decode_amx(qb, kb, vb, block_tables, max_blocks, context_lens, batch, heads, kv_heads,
+                       head_dim, block_size, scale, static_cast<u16*>(out));
+            return;
+        case DecodeKernel::Bf16:
+            paged_decode_fast(qb, kb, vb, block_tables, max_blocks, context_lens, batch, heads,
+                              kv_heads, head_dim, block_size, scale, static_cast<u16*>(out));
+            return;
+        case DecodeKernel::Vector:
+            decode_vec(qt, kt, q, cache, context_lens, batch, heads, scale, out);
+            return;
+        case DecodeKernel::Generic:
+            if (qt == F32) {
+                paged_decode_generic(static_cast<const float*>(q),
+                                     static_cast<const float*>(k_cache),
+                                     static_cast<const float*>(v_cache), block_tables, max_blocks,
+                                     context_lens, batch, heads, kv_heads, head_dim, block_size,
+                                     scale, static_cast<float*>(out));
+            } else {
+                paged_decode_generic(qb, kb, vb, block_tables, max_blocks, context_lens, batch,
+                                     heads, kv_heads, head_dim, block_size, scale,
+                                     static_cast<u16*>(out));
+            }
+            return;
+        case DecodeKernel::None:
+            return;
     }
 }
 

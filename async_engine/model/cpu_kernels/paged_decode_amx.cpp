@@ -28,9 +28,10 @@ namespace kernels {
 #if defined(KERNELS_AMX)
 namespace {
 
-constexpr int ROWS = 16;              // a tile's rows; every tile here is 16 rows of 64 bytes
+// The intrinsics name tiles by literal number: 0-3 accumulate, 4-7 hold operands (and 1-3
+// too while the score pass needs only two accumulators).
+constexpr int ROWS = TILE_ROWS;
 constexpr int TILE_ELEMS = ROWS * 32;  // bf16 elements in one tile
-// Every tile is 16 rows of 64 bytes; the intrinsics name them by literal number.
 
 // Where position `pos` of a sequence starts in the cache (elements).
 struct Positions {

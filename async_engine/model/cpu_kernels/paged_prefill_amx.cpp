@@ -28,7 +28,6 @@ namespace {
 
 constexpr int KEYS = KEY_TILE;
 constexpr int QTOK = 128;  // query tokens per task (32: 10 % slower at 8000 tokens)
-constexpr int TROWS = 16;  // rows per tile
 
 // The four accumulators 4..7 over 64 columns of V from `vp` (column 0 there): T += P V.
 inline void values_64(const uint32_t* vp, int64_t row_bytes) {
@@ -58,34 +57,34 @@ void prefill_task(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
     const int64_t tokens = seq.q_len - t0 < QTOK ? seq.q_len - t0 : QTOK;
     const int64_t first_pos = seq.ctx - seq.q_len + t0;  // absolute position of token t0
     const int rows = static_cast<int>(tokens) * group;
-    const int tiles = (rows + TROWS - 1) / TROWS;
+    const int tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
 
     // The task's query rows, contiguous (rows past `rows` 0): the first operand of S.
-    std::vector<uint16_t> qrows(static_cast<size_t>(tiles) * TROWS * D, 0);
+    std::vector<uint16_t> qrows(static_cast<size_t>(tiles) * TILE_ROWS * D, 0);
     for (int r = 0; r < rows; ++r) {
         const int64_t t = r / group;
         const int h = kvh * group + r % group;
         const uint16_t* src = q + ((seq.q_start + t0 + t) * heads + h) * D;
         std::copy(src, src + D, qrows.data() + static_cast<size_t>(r) * D);
     }
-    std::vector<float> acc(static_cast<size_t>(tiles) * TROWS * D, 0.0f);
-    std::vector<float> top(static_cast<size_t>(tiles) * TROWS, -INFINITY);
+    std::vector<float> acc(static_cast<size_t>(tiles) * TILE_ROWS * D, 0.0f);
+    std::vector<float> top(static_cast<size_t>(tiles) * TILE_ROWS, -INFINITY);
     std::vector<float> sum(top.size(), 0.0f);
     alignas(64) uint32_t kt[D / 2][KEYS];    // K^T: dim pair j of key i at kt[j][i]
     alignas(64) uint32_t vp[KEYS / 2][D];    // V key pairs: (key 2k, 2k+1) at dim d
-    alignas(64) float s[TROWS][KEYS];        // a tile's scores
-    alignas(64) uint16_t p[TROWS][KEYS];     // its weights, bf16
-    alignas(64) float t_out[TROWS][D];       // P V
-    float alpha[TROWS];
+    alignas(64) float s[TILE_ROWS][KEYS];        // a tile's scores
+    alignas(64) uint16_t p[TILE_ROWS][KEYS];     // its weights, bf16
+    alignas(64) float t_out[TILE_ROWS][D];       // P V
+    float alpha[TILE_ROWS];
     const int64_t last_key = first_pos + tokens - 1;
 
     for (int64_t k0 = 0; k0 <= last_key; k0 += KEYS) {
         const int nk = static_cast<int>(last_key + 1 - k0 < KEYS ? last_key + 1 - k0 : KEYS);
         pack_key_tile<D>(k_cache, v_cache, seq, kvh, kv_heads, block_size, k0, nk, kt, vp);
         for (int tile = 0; tile < tiles; ++tile) {
-            const int r0 = tile * TROWS;
+            const int r0 = tile * TILE_ROWS;
             // Rows run token-major, so a tile's last row sees the most keys.
-            const int last_row = r0 + TROWS - 1 < rows - 1 ? r0 + TROWS - 1 : rows - 1;
+            const int last_row = r0 + TILE_ROWS - 1 < rows - 1 ? r0 + TILE_ROWS - 1 : rows - 1;
             if (first_pos + last_row / group < k0) continue;
             const uint16_t* qt = qrows.data() + static_cast<size_t>(r0) * D;
             _tile_zero(0);
@@ -99,7 +98,7 @@ void prefill_task(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
             }
             _tile_stored(0, &s[0][0], KEYS * 4);
             _tile_stored(1, &s[0][16], KEYS * 4);
-            for (int i = 0; i < TROWS; ++i) {
+            for (int i = 0; i < TILE_ROWS; ++i) {
                 const int r = r0 + i;
                 const int64_t pos = first_pos + r / group;
                 int visible = static_cast<int>(pos - k0 + 1 < nk ? pos - k0 + 1 : nk);
@@ -138,7 +137,7 @@ void prefill_task(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
                 values_64(&vp[0][c0], D * 4);
                 store_64(&t_out[0][c0], D * 4);
             }
-            for (int i = 0; i < TROWS && r0 + i < rows; ++i) {
+            for (int i = 0; i < TILE_ROWS && r0 + i < rows; ++i) {
                 float* ar = acc.data() + static_cast<size_t>(r0 + i) * D;
                 const vf al = vset1(alpha[i]);
                 for (int d = 0; d < D; d += 16) {
