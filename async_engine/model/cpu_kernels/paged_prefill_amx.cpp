@@ -1,19 +1,20 @@
 // Causal prefill attention on AMX tiles: bf16 queries over a bf16 cache, head_dim 64 or 128.
 //
-// The AVX512-BF16 kernel (paged_prefill.cpp) spends ~8 cycles a score, which made
-// attention most of a long prompt's prefill (8000 tokens: ~14 s of ~18 on a 2-core Xeon).
-// Here the tile unit does both products and the vector unit the online softmax: ~3 cycles
-// a score, prefill 1.4x (1024 tokens) to 2.2x (8000) faster.
-//
-// Tasks as in that kernel, with more tokens each: 128 query tokens of one sequence with the
-// G query heads of one KV head (rows token-major, r = t * G + g), keys in tiles of 32 up to
-// the last token's position, K^T and V packed once per key tile (and task: 128 tokens
-// share the packing, 32 paid for it four times) in the layouts the tile unit's second
-// operand takes (pairs along the summed dimension). Per 16 rows:
-//   scores: S[16][32] = Q[16][D] K^T in two accumulators (keys 0-15, 16-31);
-//   softmax: per row, masked to its visible keys, running max and sum as in the other
-//            kernel; the weights P, bf16, are the next product's first operand;
-//   values: T[16][D] = P V in accumulators of 16 columns, then acc = acc * alpha + T.
+// Tasks as in the AVX512-BF16 kernel (paged_prefill.cpp), with more tokens each: 128 query
+// tokens of one sequence with the G query heads of one KV head (rows token-major,
+// r = t * G + g), over keys in tiles of 32 up to the last token's position. Everything runs
+// transposed, a query row per vector lane, so that the softmax never reduces across a
+// vector. Per 16 rows and key tile:
+//   scores:  S^T[32 keys][16 rows] = K Q^T: the keys' rows as the cache holds them are the
+//            first operand, the rows' queries (packed once per task) the second;
+//   softmax: down S^T's columns, running max and sum a lane a row, weights 2^(s c - max c)
+//            (the scale and log2 e folded into c); away from the diagonal every row sees
+//            every key and nothing is masked; the weights P^T, bf16, in key pairs;
+//   values:  O^T[D][16 rows] += V^T P^T, the output kept transposed ([D][16] per 16 rows)
+//            in memory and rescaled there, by vectors, only where a row's max grew.
+// V^T is made once per key tile for the task's rows (16 x 16 transposes of dim pairs).
+// Against the first AMX version (rows per tile row, a horizontal softmax, V packed in
+// pairs by scalar moves): 1.8x at 8000 tokens on a 2-core Xeon.
 #include <algorithm>
 #include <vector>
 
@@ -28,125 +29,301 @@ namespace {
 
 constexpr int KEYS = KEY_TILE;
 constexpr int QTOK = 128;  // query tokens per task (32: 10 % slower at 8000 tokens)
+constexpr int ROWS = TILE_ROWS;
 
-// The four accumulators 4..7 over 64 columns of V from `vp` (column 0 there): T += P V.
-inline void values_64(const uint32_t* vp, int64_t row_bytes) {
-    _tile_loadd(3, vp, row_bytes);
-    _tile_dpbf16ps(4, 2, 3);
-    _tile_loadd(3, vp + 16, row_bytes);
-    _tile_dpbf16ps(5, 2, 3);
-    _tile_loadd(3, vp + 32, row_bytes);
-    _tile_dpbf16ps(6, 2, 3);
-    _tile_loadd(3, vp + 48, row_bytes);
-    _tile_dpbf16ps(7, 2, 3);
+// Lane l of the result: bf16 pair (a[l], b[l]) as one 32-bit lane, a in the low half: a row
+// of the pair layout the tile unit's second operand takes, from two rows of weights.
+inline __m512i pair_rows(__m512bh ab) {
+    // cvtne2ps_pbh(b, a) holds a's 16 bf16 then b's; interleave them.
+    const __m512i order = _mm512_setr_epi32(
+        0 | 16 << 16, 1 | 17 << 16, 2 | 18 << 16, 3 | 19 << 16, 4 | 20 << 16, 5 | 21 << 16,
+        6 | 22 << 16, 7 | 23 << 16, 8 | 24 << 16, 9 | 25 << 16, 10 | 26 << 16, 11 | 27 << 16,
+        12 | 28 << 16, 13 | 29 << 16, 14 | 30 << 16, 15 | 31 << 16);
+    return _mm512_permutexvar_epi16(order, (__m512i)ab);
 }
 
-inline void store_64(float* t, int64_t row_bytes) {
-    _tile_stored(4, t, row_bytes);
-    _tile_stored(5, t + 16, row_bytes);
-    _tile_stored(6, t + 32, row_bytes);
-    _tile_stored(7, t + 48, row_bytes);
+// 2^t for t <= 0, accurate to ~4e-5 relative: ample for weights rounded to bf16 (2^-9).
+// Degree-4 Taylor polynomial of 2^f on f in [-1/2, 1/2]; scalef adds the integer part.
+inline vf exp2_weight(vf t) {
+    const vf n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vf f = vsub(t, n);
+    vf p = vset1(9.6181291e-3f);
+    p = vfma(p, f, vset1(5.5504109e-2f));
+    p = vfma(p, f, vset1(2.4022651e-1f));
+    p = vfma(p, f, vset1(6.9314718e-1f));
+    p = vfma(p, f, vset1(1.0f));
+    return _mm512_scalef_ps(p, n);
 }
+
+// One task's buffers: its query rows packed for the score product, and per 16 rows the
+// output (transposed: [D][16], a row per lane), the running maximum and sum, a lane a row.
+template <int D>
+struct TaskState {
+    static constexpr int DQ = D / 32;
+    int rows, tiles;
+    std::vector<uint16_t> q_pairs;  // [tile][c][16 dim pairs][16 rows x 2]
+    std::vector<float> acc;         // [tile][D][16]
+    std::vector<float> top, sum;    // [tile][16]
+    std::vector<int32_t> pos;       // [tile][16]: each row's position, -1 past the rows
+
+    TaskState(const uint16_t* q, const PrefillSeq& seq, int kvh, int64_t t0, int64_t tokens,
+              int heads, int group)
+        : rows(static_cast<int>(tokens) * group),
+          tiles((rows + ROWS - 1) / ROWS),
+          q_pairs(static_cast<size_t>(tiles) * DQ * ROWS * 32, 0),
+          acc(static_cast<size_t>(tiles) * D * ROWS, 0.0f),
+          top(static_cast<size_t>(tiles) * ROWS, -INFINITY),
+          sum(top.size(), 0.0f),
+          pos(top.size(), -1) {
+        const int64_t first_pos = seq.ctx - seq.q_len + t0;
+        for (int r = 0; r < rows; ++r) {
+            const int64_t t = r / group;
+            const int h = kvh * group + r % group;
+            const uint16_t* src = q + ((seq.q_start + t0 + t) * heads + h) * D;
+            uint16_t* tile = q_pairs.data() + static_cast<size_t>(r / ROWS) * DQ * ROWS * 32;
+            for (int d = 0; d < D; ++d) {
+                tile[(d / 32) * ROWS * 32 + ((d % 32) / 2) * 32 + (r % ROWS) * 2 + d % 2] = src[d];
+            }
+            pos[r] = static_cast<int32_t>(first_pos + t);
+        }
+    }
+};
+
+// r[j] becomes column j of the 16 x 16 matrix of 32-bit elements whose rows r held.
+inline void transpose_16x16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    // r[4i + k], 128-bit lane L: column 4L + k of rows 4i .. 4i + 3.
+    for (int i = 0; i < 4; ++i) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; ++i) {
+        for (int k = 0; k < 4; ++k) {
+            t[8 * i + k] = _mm512_shuffle_i32x4(r[8 * i + k], r[8 * i + 4 + k], 0x88);
+            t[8 * i + 4 + k] = _mm512_shuffle_i32x4(r[8 * i + k], r[8 * i + 4 + k], 0xdd);
+        }
+    }
+    for (int k = 0; k < 8; ++k) {
+        r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
+        r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);
+    }
+}
+
+// Keys k0 .. k0 + 31 of KV head kvh, nk of them real: k rows as they are ([32][D], the
+// score product's first operand), V transposed ([D][32], the value product's first
+// operand). Keys past nk are 0.
+template <int D>
+void load_keys(const uint16_t* k_cache, const uint16_t* v_cache, const PrefillSeq& seq,
+               int kvh, int kv_heads, int block_size, int64_t k0, int nk, uint16_t (*k)[D],
+               uint16_t (*vt)[KEYS]) {
+    const int64_t row_width = static_cast<int64_t>(kv_heads) * D;
+    const int64_t block_stride = row_width * block_size;
+    const uint16_t* vrow[KEYS];
+    for (int i = 0; i < KEYS; ++i) {
+        if (i >= nk) {
+            std::fill(k[i], k[i] + D, uint16_t{0});
+            vrow[i] = nullptr;
+            continue;
+        }
+        const int64_t key = k0 + i;
+        const int64_t at = seq.table[key / block_size] * block_stride +
+                           (key % block_size) * row_width + static_cast<int64_t>(kvh) * D;
+        std::copy(k_cache + at, k_cache + at + D, k[i]);
+        vrow[i] = v_cache + at;
+    }
+    // V^T: per 32 dims, the two 16-key halves' 32-bit dim pairs transposed, then each
+    // pair's low and high halves gathered into the rows of its two dims.
+    const __m512i even = _mm512_setr_epi32(
+        0 | 2 << 16, 4 | 6 << 16, 8 | 10 << 16, 12 | 14 << 16, 16 | 18 << 16, 20 | 22 << 16,
+        24 | 26 << 16, 28 | 30 << 16, 32 | 34 << 16, 36 | 38 << 16, 40 | 42 << 16,
+        44 | 46 << 16, 48 | 50 << 16, 52 | 54 << 16, 56 | 58 << 16, 60 | 62 << 16);
+    const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
+    for (int c = 0; c < D; c += 32) {
+        __m512i half[2][16];
+        for (int h = 0; h < 2; ++h) {
+            for (int i = 0; i < 16; ++i) {
+                const uint16_t* row = vrow[16 * h + i];
+                half[h][i] = row ? _mm512_loadu_si512(row + c) : _mm512_setzero_si512();
+            }
+            transpose_16x16(half[h]);
+        }
+        for (int j = 0; j < 16; ++j) {
+            const __m512i lo = half[0][j], hi = half[1][j];
+            _mm512_store_si512(vt[c + 2 * j], _mm512_permutex2var_epi16(lo, even, hi));
+            _mm512_store_si512(vt[c + 2 * j + 1], _mm512_permutex2var_epi16(lo, odd, hi));
+        }
+    }
+}
+
+// One task (query tokens t0 .. t0 + 127 of one sequence, the query heads of KV head kvh)
+// over its keys, 32 at a time. For each key tile the 16-row tiles run through three stages,
+// a tile apart so that no stage reads memory the tile unit or the vector unit has just
+// written (a load right after a store to its bytes waits ~30 cycles) and the tile unit's
+// products overlap the vector unit's softmax: scores of tile t + 1, softmax of tile t,
+// values of tile t - 1.
+template <int D>
+class Task {
+  public:
+    Task(const uint16_t* q, const PrefillSeq& seq, int kvh, int64_t t0, int64_t tokens,
+         int heads, int group, float scale)
+        : st_(q, seq, kvh, t0, tokens, heads, group),
+          c_(vset1(scale * 1.44269504088896341f)),
+          neg_c_(vset1(-scale * 1.44269504088896341f)) {}
+
+    TaskState<D>& state() { return st_; }
+
+    void run(const uint16_t* k_cache, const uint16_t* v_cache, const PrefillSeq& seq, int kvh,
+             int kv_heads, int block_size, int64_t last_key) {
+        for (int64_t k0 = 0; k0 <= last_key; k0 += KEYS) {
+            const int nk = static_cast<int>(last_key + 1 - k0 < KEYS ? last_key + 1 - k0 : KEYS);
+            load_keys<D>(k_cache, v_cache, seq, kvh, kv_heads, block_size, k0, nk, k_, vt_);
+            // Rows run token-major, so the tiles that see any of these keys are a suffix.
+            int first = 0;
+            while (st_.pos[std::min((first + 1) * ROWS, st_.rows) - 1] < k0) ++first;
+            const int tiles = st_.tiles;
+            for (int t = first; t <= tiles; ++t) {
+                if (t < tiles) scores(t, t % 2);
+                if (t > first) softmax(t - 1, k0, (t - 1) % 2);
+                if (t > first + 1) values(t - 2, t % 2);
+            }
+            if (tiles - first >= 1) values(tiles - 1, (tiles - 1) % 2);
+        }
+    }
+
+  private:
+    static constexpr int DQ = D / 32;
+
+    // S^T[32 keys][16 rows] = K Q^T into s_[buf].
+    void scores(int tile, int buf) {
+        const uint16_t* qp = st_.q_pairs.data() + static_cast<size_t>(tile) * DQ * ROWS * 32;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int c = 0; c < DQ; ++c) {
+            _tile_loadd(2, qp + c * ROWS * 32, 64);
+            _tile_loadd(3, &k_[0][32 * c], D * 2);
+            _tile_dpbf16ps(0, 3, 2);
+            _tile_loadd(3, &k_[16][32 * c], D * 2);
+            _tile_dpbf16ps(1, 3, 2);
+        }
+        _tile_stored(0, &s_[buf][0][0], 64);
+        _tile_stored(1, &s_[buf][16][0], 64);
+    }
+
+    // Down S^T's columns, a query row per lane, in raw scores (the scale goes into the
+    // exponent): away from the diagonal every row sees all 32 keys; on it each key is
+    // masked to the rows at or after its position. The weights go to p_[buf] in key pairs;
+    // where a row's max grew, its sum and output are rescaled here.
+    void softmax(int tile, int64_t k0, int buf) {
+        const vf neg = vset1(-INFINITY);
+        float* top = st_.top.data() + tile * ROWS;
+        float* sum = st_.sum.data() + tile * ROWS;
+        const bool all_seen = k0 + KEYS - 1 <= st_.pos[tile * ROWS];
+        const __m512i pos = _mm512_loadu_si512(st_.pos.data() + tile * ROWS);
+        __mmask16 seen[KEYS];
+        vf x[KEYS];
+        const vf old_top = vload(top);
+        vf m = old_top;
+        for (int i = 0; i < KEYS; ++i) {
+            x[i] = vload(s_[buf][i]);
+            if (!all_seen) {
+                seen[i] = _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(k0 + i)),
+                                                pos, _MM_CMPINT_LE);
+                x[i] = _mm512_mask_mov_ps(neg, seen[i], x[i]);
+            }
+            m = vmax(m, x[i]);
+        }
+        // Lanes that have seen no key yet keep -inf; their weights are masked to 0.
+        const __mmask16 live = _mm512_cmp_ps_mask(m, neg, _CMP_NEQ_OQ);
+        const vf shift = vmul(_mm512_maskz_mov_ps(live, m), neg_c_);
+        vf total = vzero();
+        for (int i = 0; i < KEYS; i += 2) {
+            vf a = exp2_weight(vfma(x[i], c_, shift));
+            vf b = exp2_weight(vfma(x[i + 1], c_, shift));
+            if (!all_seen) {
+                a = _mm512_maskz_mov_ps(seen[i], a);
+                b = _mm512_maskz_mov_ps(seen[i + 1], b);
+            }
+            const __m512bh w = _mm512_cvtne2ps_pbh(b, a);
+            _mm512_store_si512(p_[buf][i / 2], pair_rows(w));
+            // The weights as rounded, so that they sum to the divisor.
+            const __m512i bits = (__m512i)w;
+            total = vadd(total, _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256(bits)));
+            total = vadd(total, _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64(bits, 1)));
+        }
+        const __mmask16 grew = _mm512_cmp_ps_mask(m, old_top, _CMP_NEQ_OQ) & live;
+        const __mmask16 had = _mm512_cmp_ps_mask(old_top, neg, _CMP_NEQ_OQ);
+        // alpha = 2^((old max - new max) c) where the max grew (0 where nothing was seen
+        // before: its sum and output are 0), 1 elsewhere.
+        const vf alpha = _mm512_mask_mov_ps(
+            vset1(1.0f), grew, _mm512_maskz_mov_ps(had, exp2_weight(vfma(old_top, c_, shift))));
+        vstore(sum, vfma(vload(sum), alpha, total));
+        vstore(top, m);
+        if (grew) {
+            float* acc = st_.acc.data() + static_cast<size_t>(tile) * D * ROWS;
+            for (int d = 0; d < D; ++d) {
+                vstore(acc + d * ROWS, vmul(vload(acc + d * ROWS), alpha));
+            }
+        }
+    }
+
+    // O^T[D][16] += V^T P^T, the accumulators loaded from and stored back to the output.
+    void values(int tile, int buf) {
+        float* acc = st_.acc.data() + static_cast<size_t>(tile) * D * ROWS;
+        _tile_loadd(2, &p_[buf][0][0], 64);
+        for (int d0 = 0; d0 < D; d0 += 64) {
+            float* a = acc + d0 * ROWS;
+            _tile_loadd(4, a, 64);
+            _tile_loadd(5, a + 16 * ROWS, 64);
+            _tile_loadd(6, a + 32 * ROWS, 64);
+            _tile_loadd(7, a + 48 * ROWS, 64);
+            _tile_loadd(3, &vt_[d0][0], KEYS * 2);
+            _tile_dpbf16ps(4, 3, 2);
+            _tile_loadd(3, &vt_[d0 + 16][0], KEYS * 2);
+            _tile_dpbf16ps(5, 3, 2);
+            _tile_loadd(3, &vt_[d0 + 32][0], KEYS * 2);
+            _tile_dpbf16ps(6, 3, 2);
+            _tile_loadd(3, &vt_[d0 + 48][0], KEYS * 2);
+            _tile_dpbf16ps(7, 3, 2);
+            _tile_stored(4, a, 64);
+            _tile_stored(5, a + 16 * ROWS, 64);
+            _tile_stored(6, a + 32 * ROWS, 64);
+            _tile_stored(7, a + 48 * ROWS, 64);
+        }
+    }
+
+    TaskState<D> st_;
+    vf c_, neg_c_;  // weights are 2^(s c - max c): the scale and log2(e) in one factor
+    alignas(64) uint16_t k_[KEYS][D];
+    alignas(64) uint16_t vt_[D][KEYS];
+    alignas(64) float s_[2][KEYS][ROWS];        // S^T: a key per row, a query row per lane
+    alignas(64) uint32_t p_[2][KEYS / 2][ROWS];  // P^T in key pairs: the value product's B
+};
 
 template <int D>
 void prefill_task(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                   const PrefillSeq& seq, int kvh, int64_t t0, int heads, int kv_heads,
                   int block_size, float scale, uint16_t* out) {
-    constexpr int DQ = D / 32;
     const int group = heads / kv_heads;
     const int64_t tokens = seq.q_len - t0 < QTOK ? seq.q_len - t0 : QTOK;
-    const int64_t first_pos = seq.ctx - seq.q_len + t0;  // absolute position of token t0
-    const int rows = static_cast<int>(tokens) * group;
-    const int tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
-
-    // The task's query rows, contiguous (rows past `rows` 0): the first operand of S.
-    std::vector<uint16_t> qrows(static_cast<size_t>(tiles) * TILE_ROWS * D, 0);
-    for (int r = 0; r < rows; ++r) {
-        const int64_t t = r / group;
-        const int h = kvh * group + r % group;
-        const uint16_t* src = q + ((seq.q_start + t0 + t) * heads + h) * D;
-        std::copy(src, src + D, qrows.data() + static_cast<size_t>(r) * D);
+    Task<D> task(q, seq, kvh, t0, tokens, heads, group, scale);
+    task.run(k_cache, v_cache, seq, kvh, kv_heads, block_size,
+             seq.ctx - seq.q_len + t0 + tokens - 1);
+    // The output rows back in row order for write_rows.
+    const TaskState<D>& st = task.state();
+    std::vector<float> rows_out(static_cast<size_t>(st.tiles) * ROWS * D);
+    for (int tile = 0; tile < st.tiles; ++tile) {
+        const float* acc = st.acc.data() + static_cast<size_t>(tile) * D * ROWS;
+        float* dst = rows_out.data() + static_cast<size_t>(tile) * ROWS * D;
+        for (int d = 0; d < D; ++d)
+            for (int l = 0; l < ROWS; ++l) dst[l * D + d] = acc[d * ROWS + l];
     }
-    std::vector<float> acc(static_cast<size_t>(tiles) * TILE_ROWS * D, 0.0f);
-    std::vector<float> top(static_cast<size_t>(tiles) * TILE_ROWS, -INFINITY);
-    std::vector<float> sum(top.size(), 0.0f);
-    alignas(64) uint32_t kt[D / 2][KEYS];    // K^T: dim pair j of key i at kt[j][i]
-    alignas(64) uint32_t vp[KEYS / 2][D];    // V key pairs: (key 2k, 2k+1) at dim d
-    alignas(64) float s[TILE_ROWS][KEYS];        // a tile's scores
-    alignas(64) uint16_t p[TILE_ROWS][KEYS];     // its weights, bf16
-    alignas(64) float t_out[TILE_ROWS][D];       // P V
-    float alpha[TILE_ROWS];
-    const int64_t last_key = first_pos + tokens - 1;
-
-    for (int64_t k0 = 0; k0 <= last_key; k0 += KEYS) {
-        const int nk = static_cast<int>(last_key + 1 - k0 < KEYS ? last_key + 1 - k0 : KEYS);
-        pack_key_tile<D>(k_cache, v_cache, seq, kvh, kv_heads, block_size, k0, nk, kt, vp);
-        for (int tile = 0; tile < tiles; ++tile) {
-            const int r0 = tile * TILE_ROWS;
-            // Rows run token-major, so a tile's last row sees the most keys.
-            const int last_row = r0 + TILE_ROWS - 1 < rows - 1 ? r0 + TILE_ROWS - 1 : rows - 1;
-            if (first_pos + last_row / group < k0) continue;
-            const uint16_t* qt = qrows.data() + static_cast<size_t>(r0) * D;
-            _tile_zero(0);
-            _tile_zero(1);
-            for (int c = 0; c < DQ; ++c) {
-                _tile_loadd(2, qt + 32 * c, D * 2);
-                _tile_loadd(3, &kt[16 * c][0], KEYS * 4);
-                _tile_dpbf16ps(0, 2, 3);
-                _tile_loadd(3, &kt[16 * c][16], KEYS * 4);
-                _tile_dpbf16ps(1, 2, 3);
-            }
-            _tile_stored(0, &s[0][0], KEYS * 4);
-            _tile_stored(1, &s[0][16], KEYS * 4);
-            for (int i = 0; i < TILE_ROWS; ++i) {
-                const int r = r0 + i;
-                const int64_t pos = first_pos + r / group;
-                int visible = static_cast<int>(pos - k0 + 1 < nk ? pos - k0 + 1 : nk);
-                if (r >= rows || pos < k0) visible = 0;
-                if (visible == 0) {
-                    alpha[i] = 1.0f;
-                    std::fill(p[i], p[i] + KEYS, uint16_t{0});
-                    continue;
-                }
-                const uint32_t bits = visible >= 32 ? 0xffffffffu : (1u << visible) - 1;
-                const __mmask16 lo_keys = static_cast<__mmask16>(bits);
-                const __mmask16 hi_keys = static_cast<__mmask16>(bits >> 16);
-                const vf neg = vset1(-INFINITY), sc = vset1(scale);
-                const vf a = _mm512_mask_mov_ps(neg, lo_keys, vmul(vload(s[i]), sc));
-                const vf b = _mm512_mask_mov_ps(neg, hi_keys, vmul(vload(s[i] + 16), sc));
-                const float m_new = std::fmax(top[r], hmax(vmax(a, b)));
-                const vf m = vset1(m_new);
-                const vf pa = _mm512_maskz_mov_ps(lo_keys, vexp(vsub(a, m)));
-                const vf pb = _mm512_maskz_mov_ps(hi_keys, vexp(vsub(b, m)));
-                const __m512bh w = _mm512_cvtne2ps_pbh(pb, pa);
-                _mm512_store_si512(p[i], (__m512i)w);
-                alpha[i] = top[r] == -INFINITY ? 0.0f : fast_exp(top[r] - m_new);
-                // The weights as rounded, so that they sum to the divisor.
-                const __m512 rounded = _mm512_add_ps(
-                    _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256((__m512i)w)),
-                    _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64((__m512i)w, 1)));
-                sum[r] = sum[r] * alpha[i] + hsum(rounded);
-                top[r] = m_new;
-            }
-            _tile_loadd(2, &p[0][0], KEYS * 2);
-            for (int c0 = 0; c0 < D; c0 += 64) {
-                _tile_zero(4);
-                _tile_zero(5);
-                _tile_zero(6);
-                _tile_zero(7);
-                values_64(&vp[0][c0], D * 4);
-                store_64(&t_out[0][c0], D * 4);
-            }
-            for (int i = 0; i < TILE_ROWS && r0 + i < rows; ++i) {
-                float* ar = acc.data() + static_cast<size_t>(r0 + i) * D;
-                const vf al = vset1(alpha[i]);
-                for (int d = 0; d < D; d += 16) {
-                    vstore(ar + d, vfma(vload(ar + d), al, vload(t_out[i] + d)));
-                }
-            }
-        }
-    }
-    write_rows<D>(acc.data(), sum.data(), rows, seq, t0, kvh, group, heads, out);
+    write_rows<D>(rows_out.data(), st.sum.data(), st.rows, seq, t0, kvh, group, heads, out);
 }
 
 }  // namespace

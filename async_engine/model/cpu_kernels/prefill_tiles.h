@@ -1,5 +1,6 @@
 // What the two bf16 prefill kernels (AVX512-BF16 dot products, AMX tiles) share: the task
-// list, a key tile packed in the pair layouts both products take, and the output rows.
+// list and the output rows; and the AVX512-BF16 kernel's key tile, packed in the pair
+// layouts its products take.
 #pragma once
 #include <cstdint>
 #include <vector>
