@@ -162,11 +162,9 @@ void load_keys(const uint16_t* k_cache, const uint16_t* v_cache, const PrefillSe
 }
 
 // One task (query tokens t0 .. t0 + 127 of one sequence, the query heads of KV head kvh)
-// over its keys, 32 at a time. For each key tile the 16-row tiles run through three stages,
-// a tile apart so that no stage reads memory the tile unit or the vector unit has just
-// written (a load right after a store to its bytes waits ~30 cycles) and the tile unit's
-// products overlap the vector unit's softmax: scores of tile t + 1, softmax of tile t,
-// values of tile t - 1.
+// over its keys, 32 at a time, each key tile through every 16-row tile that sees it.
+// (Running the three stages a tile apart, so that the tile unit's products could overlap
+// the softmax, measured no faster.)
 template <int D>
 class Task {
   public:
@@ -187,20 +185,19 @@ class Task {
             int first = 0;
             while (st_.pos[std::min((first + 1) * ROWS, st_.rows) - 1] < k0) ++first;
             const int tiles = st_.tiles;
-            for (int t = first; t <= tiles; ++t) {
-                if (t < tiles) scores(t, t % 2);
-                if (t > first) softmax(t - 1, k0, (t - 1) % 2);
-                if (t > first + 1) values(t - 2, t % 2);
+            for (int t = first; t < tiles; ++t) {
+                scores(t);
+                softmax(t, k0);
+                values(t);
             }
-            if (tiles - first >= 1) values(tiles - 1, (tiles - 1) % 2);
         }
     }
 
   private:
     static constexpr int DQ = D / 32;
 
-    // S^T[32 keys][16 rows] = K Q^T into s_[buf].
-    void scores(int tile, int buf) {
+    // S^T[32 keys][16 rows] = K Q^T into s_.
+    void scores(int tile) {
         const uint16_t* qp = st_.q_pairs.data() + static_cast<size_t>(tile) * DQ * ROWS * 32;
         _tile_zero(0);
         _tile_zero(1);
@@ -211,15 +208,15 @@ class Task {
             _tile_loadd(3, &k_[16][32 * c], D * 2);
             _tile_dpbf16ps(1, 3, 2);
         }
-        _tile_stored(0, &s_[buf][0][0], 64);
-        _tile_stored(1, &s_[buf][16][0], 64);
+        _tile_stored(0, &s_[0][0], 64);
+        _tile_stored(1, &s_[16][0], 64);
     }
 
     // Down S^T's columns, a query row per lane, in raw scores (the scale goes into the
     // exponent): away from the diagonal every row sees all 32 keys; on it each key is
-    // masked to the rows at or after its position. The weights go to p_[buf] in key pairs;
+    // masked to the rows at or after its position. The weights go to p_ in key pairs;
     // where a row's max grew, its sum and output are rescaled here.
-    void softmax(int tile, int64_t k0, int buf) {
+    void softmax(int tile, int64_t k0) {
         const vf neg = vset1(-INFINITY);
         float* top = st_.top.data() + tile * ROWS;
         float* sum = st_.sum.data() + tile * ROWS;
@@ -230,7 +227,7 @@ class Task {
         const vf old_top = vload(top);
         vf m = old_top;
         for (int i = 0; i < KEYS; ++i) {
-            x[i] = vload(s_[buf][i]);
+            x[i] = vload(s_[i]);
             if (!all_seen) {
                 seen[i] = _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(k0 + i)),
                                                 pos, _MM_CMPINT_LE);
@@ -250,7 +247,7 @@ class Task {
                 b = _mm512_maskz_mov_ps(seen[i + 1], b);
             }
             const __m512bh w = _mm512_cvtne2ps_pbh(b, a);
-            _mm512_store_si512(p_[buf][i / 2], pair_rows(w));
+            _mm512_store_si512(p_[i / 2], pair_rows(w));
             // The weights as rounded, so that they sum to the divisor.
             const __m512i bits = (__m512i)w;
             total = vadd(total, _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256(bits)));
@@ -273,9 +270,9 @@ class Task {
     }
 
     // O^T[D][16] += V^T P^T, the accumulators loaded from and stored back to the output.
-    void values(int tile, int buf) {
+    void values(int tile) {
         float* acc = st_.acc.data() + static_cast<size_t>(tile) * D * ROWS;
-        _tile_loadd(2, &p_[buf][0][0], 64);
+        _tile_loadd(2, &p_[0][0], 64);
         for (int d0 = 0; d0 < D; d0 += 64) {
             float* a = acc + d0 * ROWS;
             _tile_loadd(4, a, 64);
@@ -301,8 +298,8 @@ class Task {
     vf c_, neg_c_;  // weights are 2^(s c - max c): the scale and log2(e) in one factor
     alignas(64) uint16_t k_[KEYS][D];
     alignas(64) uint16_t vt_[D][KEYS];
-    alignas(64) float s_[2][KEYS][ROWS];        // S^T: a key per row, a query row per lane
-    alignas(64) uint32_t p_[2][KEYS / 2][ROWS];  // P^T in key pairs: the value product's B
+    alignas(64) float s_[KEYS][ROWS];        // S^T: a key per row, a query row per lane
+    alignas(64) uint32_t p_[KEYS / 2][ROWS];  // P^T in key pairs: the value product's B
 };
 
 template <int D>
