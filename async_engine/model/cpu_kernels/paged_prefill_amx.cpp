@@ -28,7 +28,7 @@ namespace kernels {
 namespace {
 
 constexpr int KEYS = KEY_TILE;
-constexpr int QTOK = 128;  // query tokens per task (32: 10 % slower at 8000 tokens)
+constexpr int QTOK = 128;  // query tokens per task (256 or 512 measured no faster)
 constexpr int ROWS = TILE_ROWS;
 
 // Lane l of the result: bf16 pair (a[l], b[l]) as one 32-bit lane, a in the low half: a row
@@ -54,40 +54,6 @@ inline vf exp2_weight(vf t) {
     p = vfma(p, f, vset1(1.0f));
     return _mm512_scalef_ps(p, n);
 }
-
-// One task's buffers: its query rows packed for the score product, and per 16 rows the
-// output (transposed: [D][16], a row per lane), the running maximum and sum, a lane a row.
-template <int D>
-struct TaskState {
-    static constexpr int DQ = D / 32;
-    int rows, tiles;
-    std::vector<uint16_t> q_pairs;  // [tile][c][16 dim pairs][16 rows x 2]
-    std::vector<float> acc;         // [tile][D][16]
-    std::vector<float> top, sum;    // [tile][16]
-    std::vector<int32_t> pos;       // [tile][16]: each row's position, -1 past the rows
-
-    TaskState(const uint16_t* q, const PrefillSeq& seq, int kvh, int64_t t0, int64_t tokens,
-              int heads, int group)
-        : rows(static_cast<int>(tokens) * group),
-          tiles((rows + ROWS - 1) / ROWS),
-          q_pairs(static_cast<size_t>(tiles) * DQ * ROWS * 32, 0),
-          acc(static_cast<size_t>(tiles) * D * ROWS, 0.0f),
-          top(static_cast<size_t>(tiles) * ROWS, -INFINITY),
-          sum(top.size(), 0.0f),
-          pos(top.size(), -1) {
-        const int64_t first_pos = seq.ctx - seq.q_len + t0;
-        for (int r = 0; r < rows; ++r) {
-            const int64_t t = r / group;
-            const int h = kvh * group + r % group;
-            const uint16_t* src = q + ((seq.q_start + t0 + t) * heads + h) * D;
-            uint16_t* tile = q_pairs.data() + static_cast<size_t>(r / ROWS) * DQ * ROWS * 32;
-            for (int d = 0; d < D; ++d) {
-                tile[(d / 32) * ROWS * 32 + ((d % 32) / 2) * 32 + (r % ROWS) * 2 + d % 2] = src[d];
-            }
-            pos[r] = static_cast<int32_t>(first_pos + t);
-        }
-    }
-};
 
 // r[j] becomes column j of the 16 x 16 matrix of 32-bit elements whose rows r held.
 inline void transpose_16x16(__m512i r[16]) {
@@ -161,20 +127,37 @@ void load_keys(const uint16_t* k_cache, const uint16_t* v_cache, const PrefillSe
     }
 }
 
-// One task (query tokens t0 .. t0 + 127 of one sequence, the query heads of KV head kvh)
-// over its keys, 32 at a time, each key tile through every 16-row tile that sees it.
-// (Running the three stages a tile apart, so that the tile unit's products could overlap
-// the softmax, measured no faster.)
+// One task: query tokens t0 .. t0 + 127 of one sequence, the query heads of KV head kvh, over
+// its keys, 32 at a time, each key tile through every 16-row tile that sees it. (Running the
+// three stages a tile apart, so that the tile unit's products could overlap the softmax,
+// measured no faster.) Per 16 rows it keeps the queries packed for the score product, the
+// output transposed ([D][16], a row per lane), and the running max and sum, a lane a row.
 template <int D>
 class Task {
   public:
     Task(const uint16_t* q, const PrefillSeq& seq, int kvh, int64_t t0, int64_t tokens,
          int heads, int group, float scale)
-        : st_(q, seq, kvh, t0, tokens, heads, group),
+        : rows_(static_cast<int>(tokens) * group),
+          tiles_((rows_ + ROWS - 1) / ROWS),
+          q_pairs_(static_cast<size_t>(tiles_) * DQ * ROWS * 32, 0),
+          acc_(static_cast<size_t>(tiles_) * D * ROWS, 0.0f),
+          top_(static_cast<size_t>(tiles_) * ROWS, -INFINITY),
+          sum_(top_.size(), 0.0f),
+          pos_(top_.size(), -1),
           c_(vset1(scale * 1.44269504088896341f)),
-          neg_c_(vset1(-scale * 1.44269504088896341f)) {}
-
-    TaskState<D>& state() { return st_; }
+          neg_c_(vset1(-scale * 1.44269504088896341f)) {
+        const int64_t first_pos = seq.ctx - seq.q_len + t0;
+        for (int r = 0; r < rows_; ++r) {
+            const int64_t t = r / group;
+            const int h = kvh * group + r % group;
+            const uint16_t* src = q + ((seq.q_start + t0 + t) * heads + h) * D;
+            uint16_t* tile = q_pairs_.data() + static_cast<size_t>(r / ROWS) * DQ * ROWS * 32;
+            for (int d = 0; d < D; ++d) {
+                tile[(d / 32) * ROWS * 32 + ((d % 32) / 2) * 32 + (r % ROWS) * 2 + d % 2] = src[d];
+            }
+            pos_[r] = static_cast<int32_t>(first_pos + t);
+        }
+    }
 
     void run(const uint16_t* k_cache, const uint16_t* v_cache, const PrefillSeq& seq, int kvh,
              int kv_heads, int block_size, int64_t last_key) {
@@ -183,9 +166,8 @@ class Task {
             load_keys<D>(k_cache, v_cache, seq, kvh, kv_heads, block_size, k0, nk, k_, vt_);
             // Rows run token-major, so the tiles that see any of these keys are a suffix.
             int first = 0;
-            while (st_.pos[std::min((first + 1) * ROWS, st_.rows) - 1] < k0) ++first;
-            const int tiles = st_.tiles;
-            for (int t = first; t < tiles; ++t) {
+            while (pos_[std::min((first + 1) * ROWS, rows_) - 1] < k0) ++first;
+            for (int t = first; t < tiles_; ++t) {
                 scores(t);
                 softmax(t, k0);
                 values(t);
@@ -193,12 +175,25 @@ class Task {
         }
     }
 
+    // The rows, divided by their sums, into out [T, H, D] (write_rows wants them row-major).
+    void write(const PrefillSeq& seq, int64_t t0, int kvh, int group, int heads,
+               uint16_t* out) const {
+        std::vector<float> rows(static_cast<size_t>(tiles_) * ROWS * D);
+        for (int tile = 0; tile < tiles_; ++tile) {
+            const float* acc = acc_.data() + static_cast<size_t>(tile) * D * ROWS;
+            float* dst = rows.data() + static_cast<size_t>(tile) * ROWS * D;
+            for (int d = 0; d < D; ++d)
+                for (int l = 0; l < ROWS; ++l) dst[l * D + d] = acc[d * ROWS + l];
+        }
+        write_rows<D>(rows.data(), sum_.data(), rows_, seq, t0, kvh, group, heads, out);
+    }
+
   private:
     static constexpr int DQ = D / 32;
 
     // S^T[32 keys][16 rows] = K Q^T into s_.
     void scores(int tile) {
-        const uint16_t* qp = st_.q_pairs.data() + static_cast<size_t>(tile) * DQ * ROWS * 32;
+        const uint16_t* qp = q_pairs_.data() + static_cast<size_t>(tile) * DQ * ROWS * 32;
         _tile_zero(0);
         _tile_zero(1);
         for (int c = 0; c < DQ; ++c) {
@@ -218,10 +213,10 @@ class Task {
     // where a row's max grew, its sum and output are rescaled here.
     void softmax(int tile, int64_t k0) {
         const vf neg = vset1(-INFINITY);
-        float* top = st_.top.data() + tile * ROWS;
-        float* sum = st_.sum.data() + tile * ROWS;
-        const bool all_seen = k0 + KEYS - 1 <= st_.pos[tile * ROWS];
-        const __m512i pos = _mm512_loadu_si512(st_.pos.data() + tile * ROWS);
+        float* top = top_.data() + tile * ROWS;
+        float* sum = sum_.data() + tile * ROWS;
+        const bool all_seen = k0 + KEYS - 1 <= pos_[tile * ROWS];
+        const __m512i pos = _mm512_loadu_si512(pos_.data() + tile * ROWS);
         __mmask16 seen[KEYS];
         vf x[KEYS];
         const vf old_top = vload(top);
@@ -262,7 +257,7 @@ class Task {
         vstore(sum, vfma(vload(sum), alpha, total));
         vstore(top, m);
         if (grew) {
-            float* acc = st_.acc.data() + static_cast<size_t>(tile) * D * ROWS;
+            float* acc = acc_.data() + static_cast<size_t>(tile) * D * ROWS;
             for (int d = 0; d < D; ++d) {
                 vstore(acc + d * ROWS, vmul(vload(acc + d * ROWS), alpha));
             }
@@ -271,7 +266,7 @@ class Task {
 
     // O^T[D][16] += V^T P^T, the accumulators loaded from and stored back to the output.
     void values(int tile) {
-        float* acc = st_.acc.data() + static_cast<size_t>(tile) * D * ROWS;
+        float* acc = acc_.data() + static_cast<size_t>(tile) * D * ROWS;
         _tile_loadd(2, &p_[0][0], 64);
         for (int d0 = 0; d0 < D; d0 += 64) {
             float* a = acc + d0 * ROWS;
@@ -294,7 +289,11 @@ class Task {
         }
     }
 
-    TaskState<D> st_;
+    int rows_, tiles_;
+    std::vector<uint16_t> q_pairs_;  // [tile][c][16 dim pairs][16 rows x 2]
+    std::vector<float> acc_;         // [tile][D][16]
+    std::vector<float> top_, sum_;   // [tile][16]
+    std::vector<int32_t> pos_;       // [tile][16]: each row's position, -1 past the rows
     vf c_, neg_c_;  // weights are 2^(s c - max c): the scale and log2(e) in one factor
     alignas(64) uint16_t k_[KEYS][D];
     alignas(64) uint16_t vt_[D][KEYS];
@@ -311,16 +310,7 @@ void prefill_task(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
     Task<D> task(q, seq, kvh, t0, tokens, heads, group, scale);
     task.run(k_cache, v_cache, seq, kvh, kv_heads, block_size,
              seq.ctx - seq.q_len + t0 + tokens - 1);
-    // The output rows back in row order for write_rows.
-    const TaskState<D>& st = task.state();
-    std::vector<float> rows_out(static_cast<size_t>(st.tiles) * ROWS * D);
-    for (int tile = 0; tile < st.tiles; ++tile) {
-        const float* acc = st.acc.data() + static_cast<size_t>(tile) * D * ROWS;
-        float* dst = rows_out.data() + static_cast<size_t>(tile) * ROWS * D;
-        for (int d = 0; d < D; ++d)
-            for (int l = 0; l < ROWS; ++l) dst[l * D + d] = acc[d * ROWS + l];
-    }
-    write_rows<D>(rows_out.data(), st.sum.data(), st.rows, seq, t0, kvh, group, heads, out);
+    task.write(seq, t0, kvh, group, heads, out);
 }
 
 }  // namespace
