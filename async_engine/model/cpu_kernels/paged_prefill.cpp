@@ -52,6 +52,23 @@ inline __m512bh q_pair(uint32_t pair) {
     return (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
 }
 
+// Keys k0 .. k0 + KEY_TILE of KV head kvh, nk of them real (the rest repeat the last real
+// row; the caller masks them): kt[j][i] holds dim pair j of key i (K^T), vp[k][d] the pair
+// (key 2k, key 2k + 1) at dim d.
+template <int D>
+void pack_key_tile(const uint16_t* k_cache, const uint16_t* v_cache,
+                          const PrefillSeq& seq, int kvh, int kv_heads, int block_size,
+                          int64_t k0, int nk, uint32_t (*kt)[KEY_TILE], uint32_t (*vp)[D]) {
+    for (int i = 0; i < KEY_TILE; ++i) {
+        const int64_t at = seq.key_at(k0 + (i < nk ? i : nk - 1), kvh, kv_heads, D, block_size);
+        const uint32_t* krow = reinterpret_cast<const uint32_t*>(k_cache + at);
+        for (int j = 0; j < D / 2; ++j) kt[j][i] = krow[j];
+        const uint16_t* vrow = v_cache + at;
+        uint16_t* dst = reinterpret_cast<uint16_t*>(vp[i / 2]) + (i % 2);
+        for (int d = 0; d < D; ++d) dst[2 * d] = vrow[d];
+    }
+}
+
 template <int DV>
 void prefill_task(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                   const PrefillSeq& seq, int kvh, int64_t t0, int heads, int kv_heads,

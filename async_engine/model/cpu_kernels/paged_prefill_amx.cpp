@@ -88,8 +88,6 @@ template <int D>
 void load_keys(const uint16_t* k_cache, const uint16_t* v_cache, const PrefillSeq& seq,
                int kvh, int kv_heads, int block_size, int64_t k0, int nk, uint16_t (*k)[D],
                uint16_t (*vt)[KEYS]) {
-    const int64_t row_width = static_cast<int64_t>(kv_heads) * D;
-    const int64_t block_stride = row_width * block_size;
     const uint16_t* vrow[KEYS];
     for (int i = 0; i < KEYS; ++i) {
         if (i >= nk) {
@@ -97,9 +95,7 @@ void load_keys(const uint16_t* k_cache, const uint16_t* v_cache, const PrefillSe
             vrow[i] = nullptr;
             continue;
         }
-        const int64_t key = k0 + i;
-        const int64_t at = seq.table[key / block_size] * block_stride +
-                           (key % block_size) * row_width + static_cast<int64_t>(kvh) * D;
+        const int64_t at = seq.key_at(k0 + i, kvh, kv_heads, D, block_size);
         std::copy(k_cache + at, k_cache + at + D, k[i]);
         vrow[i] = v_cache + at;
     }

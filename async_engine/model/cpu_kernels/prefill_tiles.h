@@ -1,6 +1,5 @@
 // What the two bf16 prefill kernels (AVX512-BF16 dot products, AMX tiles) share: the task
-// list and the output rows; and the AVX512-BF16 kernel's key tile, packed in the pair
-// layouts its products take.
+// list, where a key's row lies in the cache, and the output rows.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -18,6 +17,13 @@ constexpr int KEY_TILE = 32;  // keys per tile: two vectors (or tiles) of 16
 struct PrefillSeq {
     int64_t q_start, q_len, ctx;
     const int64_t* table;
+
+    // Where `key`'s row for KV head kvh starts in a cache [blocks, block_size, KV, D].
+    int64_t key_at(int64_t key, int kvh, int kv_heads, int head_dim, int block_size) const {
+        const int64_t row_width = static_cast<int64_t>(kv_heads) * head_dim;
+        return (table[key / block_size] * block_size + key % block_size) * row_width +
+               static_cast<int64_t>(kvh) * head_dim;
+    }
 };
 
 // `tokens` query tokens of one sequence from t0, with the query heads of KV head kvh.
@@ -44,27 +50,6 @@ inline PrefillTasks prefill_tasks(const Paged& cache, const Chunks& chunks, int6
             for (int kvh = 0; kvh < cache.kv_heads; ++kvh) out.tasks.push_back({s, kvh, t0});
     }
     return out;
-}
-
-// Keys k0 .. k0 + KEY_TILE of KV head kvh, nk of them real (the rest repeat the last real
-// row; the caller masks them): kt[j][i] holds dim pair j of key i (K^T), vp[k][d] the pair
-// (key 2k, key 2k + 1) at dim d.
-template <int D>
-inline void pack_key_tile(const uint16_t* k_cache, const uint16_t* v_cache,
-                          const PrefillSeq& seq, int kvh, int kv_heads, int block_size,
-                          int64_t k0, int nk, uint32_t (*kt)[KEY_TILE], uint32_t (*vp)[D]) {
-    const int64_t row_width = static_cast<int64_t>(kv_heads) * D;
-    const int64_t block_stride = row_width * block_size;
-    for (int i = 0; i < KEY_TILE; ++i) {
-        const int64_t key = k0 + (i < nk ? i : nk - 1);
-        const int64_t at = seq.table[key / block_size] * block_stride +
-                           (key % block_size) * row_width + static_cast<int64_t>(kvh) * D;
-        const uint32_t* krow = reinterpret_cast<const uint32_t*>(k_cache + at);
-        for (int j = 0; j < D / 2; ++j) kt[j][i] = krow[j];
-        const uint16_t* vrow = v_cache + at;
-        uint16_t* dst = reinterpret_cast<uint16_t*>(vp[i / 2]) + (i % 2);
-        for (int d = 0; d < D; ++d) dst[2 * d] = vrow[d];
-    }
 }
 
 // acc's rows (token-major: row r is token r / group, head r % group of KV head kvh) divided
