@@ -151,6 +151,10 @@ def test_completion_logprobs_come_per_token(client):
         ({"stop": ["x" * 3000, "y" * 3000]}, "stop"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": [1, "x"]}, "prompt"),
+        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"suffix": " the end"}, "suffix"),
+        ({"best_of": 3}, "best_of"),
     ],
 )
 def test_a_bad_field_is_a_400_naming_it(server: BackgroundServer, body: dict, param: str):
@@ -158,6 +162,21 @@ def test_a_bad_field_is_a_400_naming_it(server: BackgroundServer, body: dict, pa
     status, _, data = raw(server, "POST", "/v1/completions", json.dumps(payload).encode())
     error = json.loads(data)["error"]
     assert status == 400 and error["param"] == param and error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("field", [{"echo": True}, {"prompt_logprobs": 0}])
+def test_a_chat_field_that_would_change_the_answer_is_refused(
+    server: BackgroundServer, field: dict
+):
+    payload = {"model": "default", "messages": [{"role": "user", "content": "hi"}], **field}
+    status, _, data = raw(server, "POST", "/v1/chat/completions", json.dumps(payload).encode())
+    assert status == 400 and json.loads(data)["error"]["param"] == next(iter(field))
+
+
+def test_harmless_defaults_of_unbuilt_fields_are_accepted(server: BackgroundServer):
+    payload = {"model": "default", "prompt": "hi", "max_tokens": 2, "echo": False, "best_of": 1}
+    status, _, _ = raw(server, "POST", "/v1/completions", json.dumps(payload).encode())
+    assert status == 200
 
 
 def test_bad_json_and_an_unknown_model_are_named(server: BackgroundServer):

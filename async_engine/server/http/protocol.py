@@ -157,9 +157,24 @@ def _params(
         raise bad_request(str(exc)) from None
 
 
+def _refuse_unbuilt(body: dict[str, Any]) -> None:
+    """Fields that would change the answer if ignored (an eval harness reading prompt
+    scores would silently score 0): a 400 naming each until it is built."""
+    if body.get("echo"):
+        raise bad_request("echo is not supported yet (no prompt logprobs)", "echo")
+    if body.get("prompt_logprobs") is not None:
+        raise bad_request("prompt_logprobs is not supported yet", "prompt_logprobs")
+    if body.get("suffix"):
+        raise bad_request("suffix (insertion) is not supported", "suffix")
+    best_of, n = body.get("best_of"), body.get("n")
+    if best_of is not None and best_of != (1 if n is None else n):
+        raise bad_request("best_of is not supported unless it equals n", "best_of")
+
+
 def _common(body: dict[str, Any]) -> tuple[str, bool, bool, str]:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None)
+    _refuse_unbuilt(body)
     model = _get(body, "model", (str,), "")
     if not model:
         raise bad_request("model is required", "model")
