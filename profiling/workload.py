@@ -124,7 +124,7 @@ def measure_overhead(options: dict[str, Any], workload: Workload, rounds: int = 
 
 def callback_cost_us(batch: int, repeats: int = 20_000) -> float:
     """Microseconds the tracer spends per step, timed on a synthetic decode step."""
-    from streams.plan import StepPlan, StepResult, bools, int32s, int64s
+    from streams.plan import StepPlan, StepResult, int32s, int64s
 
     rows = list(range(batch))
     plan = StepPlan(
@@ -132,7 +132,7 @@ def callback_cost_us(batch: int, repeats: int = 20_000) -> float:
         int32s(rows),
         int32s([63] * batch),
         int32s([1] * batch),
-        bools([True] * batch),
+        int32s([1] * batch),
         int64s([-1] * batch),
     )
     result = StepResult(0, [0] * batch, device_start=1.0, device_end=2.0)

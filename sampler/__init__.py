@@ -8,11 +8,11 @@ from typing import Any
 
 from sampler.params import MAX_LOGPROBS, SamplingParams
 
-__all__ = ["MAX_LOGPROBS", "SampleResult", "Sampler", "SamplingParams", "SlotState"]
+__all__ = ["MAX_LOGPROBS", "Positions", "Sample", "Sampler", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("SampleResult", "Sampler", "SlotState"):
+    if name in ("Positions", "Sample", "Sampler"):
         from sampler import sampler
 
         return getattr(sampler, name)

@@ -1,9 +1,19 @@
-"""Per-request sampling settings, validated once when the request arrives."""
+"""Per-request sampling settings, validated once when the request arrives.
+
+Each field is declared once, here: its type and default on the class, and through ``param``
+its ranges, a line of help and its OpenAI HTTP key. ``FIELDS`` reads those declarations back
+for the front ends, which derive their field lists from it: the gRPC codec and error paths
+(laid onto the proto descriptor by name, server side: this package imports no protobuf) and
+the HTTP body parser. A new setting is a field here and one in the proto.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,29 +26,118 @@ MAX_STRUCTURED_SPEC = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
+class Rule:
+    """A range; a value outside it is ValueError("<field> <says>, got <value>")."""
+
+    says: str
+    holds: Callable[[Any], bool]  # written so that NaN fails it (NaN fails every comparison)
+
+
+def at_least(low: int) -> Rule:
+    return Rule(f"must be >= {low}", lambda v: v >= low)
+
+
+def within(low: int, high: int) -> Rule:
+    return Rule(f"must be in [{low}, {high}]", lambda v: low <= v <= high)
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSpec:
+    """One SamplingParams field as the front ends see it; FIELDS holds one per field."""
+
+    name: str
+    kind: type  # int, float or bool: checked off this table; tuple: checked by hand
+    nullable: bool  # None is a value of it (max_tokens None: up to the context length)
+    default: Any
+    help: str
+    rules: tuple[Rule, ...]  # in order; the first that fails is the error
+    http: str | None  # its OpenAI body key; None: HTTP does not offer it
+    grpc: bool  # False: no GenerateRequest field carries it
+
+
+def param(default: Any, help: str, *rules: Rule, http: str | None = "", grpc: bool = True) -> Any:
+    """A SamplingParams field's default with the rest of its ParamSpec (http "": its name)."""
+    return dataclasses.field(default=default, metadata={"param": (help, rules, http, grpc)})
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
-    max_tokens: int | None = 16  # None: until the context length
-    min_tokens: int = 0
-    temperature: float = 1.0  # 0 -> greedy
-    top_k: int = -1  # -1 or 0: off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None  # top-n logprobs; 0 = only the sampled token's logprob
-    n: int = 1
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    structured_output: tuple[str, str] | None = None  # see STRUCTURED_KINDS
+    max_tokens: int | None = param(
+        16, "tokens to generate at most; None: up to the context length", at_least(1)
+    )
+    min_tokens: int = param(0, "tokens to generate before EOS or a stop may end", at_least(0))
+    temperature: float = param(
+        1.0,
+        "divides the logits; 0: greedy",
+        Rule("must be >= 0 and finite", lambda v: v >= 0 and math.isfinite(v)),
+    )
+    top_k: int = param(
+        -1,
+        "sample among the k likeliest tokens; -1 or 0: off",
+        Rule("must be -1, 0 (off) or positive", lambda v: v >= -1),
+    )
+    top_p: float = param(
+        1.0,
+        "sample among the likeliest tokens whose probabilities sum to top_p",
+        Rule("must be in (0, 1]", lambda v: 0 < v <= 1),
+    )
+    min_p: float = param(
+        0.0, "drop tokens less likely than min_p times the likeliest", within(0, 1)
+    )
+    repetition_penalty: float = param(
+        1.0,
+        "scales down the logits of tokens in the prompt or output; 1: off",
+        Rule("must be > 0 and finite", lambda v: v > 0 and math.isfinite(v)),
+    )
+    presence_penalty: float = param(0.0, "subtracted from generated tokens' logits", within(-2, 2))
+    frequency_penalty: float = param(
+        0.0, "subtracted from a generated token's logit once per occurrence", within(-2, 2)
+    )
+    seed: int | None = param(
+        None,
+        "seeds the request's random draws; None: unseeded",
+        Rule("must be in [0, 2**64 - 1]", lambda v: 0 <= v <= _MAX_SEED),
+    )
+    stop: tuple[str, ...] = param((), "strings that end the output (a str: one)")
+    stop_token_ids: tuple[int, ...] = param((), "token ids that end the output")
+    ignore_eos: bool = param(False, "generate past EOS (benchmarks)")
+    logprobs: int | None = param(
+        None,
+        "top-n logprobs per token; 0: only the sampled token's logprob",
+        at_least(0),
+        Rule(f"must be <= {MAX_LOGPROBS}", lambda v: v <= MAX_LOGPROBS),
+    )
+    n: int = param(1, "samples of the prompt, seeded seed, seed + 1, ...", at_least(1))
+    include_stop_str_in_output: bool = param(
+        False, "keep the stop string that ended the output in its text", http=None
+    )
+    skip_special_tokens: bool = param(
+        True, "leave special tokens out of the text", http=None, grpc=False
+    )
+    # HTTP also takes it as guided_regex, guided_grammar or tools (http/protocol.py).
+    structured_output: tuple[str, str] | None = param(
+        None, "constrain the output: (kind, spec), see STRUCTURED_KINDS", http="response_format"
+    )
 
     def __post_init__(self) -> None:
-        self._check_types()
-        self._check_ranges()
+        for spec in FIELDS:
+            self._check_type(spec)
+        self._check_lists()
+        for spec in FIELDS:
+            value = getattr(self, spec.name)
+            for rule in spec.rules if value is not None else ():
+                if not rule.holds(value):
+                    raise ValueError(f"{spec.name} {rule.says}, got {value}")
+        # Across fields and within lists: not a per-field range, so not in the table.
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop must not contain an empty string")
+        bad_ids = [i for i in self.stop_token_ids if i < 0]
+        if bad_ids:
+            raise ValueError(f"stop_token_ids must be >= 0, got {bad_ids}")
 
     @property
     def greedy(self) -> bool:
@@ -67,32 +166,23 @@ class SamplingParams:
             raise ValueError(f"unknown sampling params: {', '.join(map(str, unknown))}")
         return cls(**data)
 
-    def _check_types(self) -> None:
-        for name in ("min_tokens", "top_k", "n"):
-            _require_int(name, getattr(self, name))
-        for name in ("max_tokens", "seed", "logprobs"):
-            value = getattr(self, name)
-            if value is not None:
-                _require_int(name, value)
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "repetition_penalty",
-            "presence_penalty",
-            "frequency_penalty",
-        ):
+    def _check_type(self, spec: ParamSpec) -> None:
+        name, value = spec.name, getattr(self, spec.name)
+        if value is None and spec.nullable:
+            return
+        if spec.kind is int:
+            _require_int(name, value)
+        elif spec.kind is float:
             # Ints are fine here (JSON "temperature": 1), but store floats so that
             # equality and to_dict() do not depend on how the user spelled the number.
-            value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ValueError(f"{name} must be a number, got {value!r}")
             object.__setattr__(self, name, float(value))
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be a bool, got {value!r}")
+        elif spec.kind is bool and not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool, got {value!r}")
 
+    def _check_lists(self) -> None:
+        """stop, stop_token_ids, structured_output: each list has its own shape and message."""
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)
@@ -129,47 +219,26 @@ class SamplingParams:
                 raise ValueError("structured_output ends at the grammar's end: no ignore_eos")
             object.__setattr__(self, "structured_output", (kind, text))
 
-    def _check_ranges(self) -> None:
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
-            )
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
-        # `not (0 < p <= 1)` also catches NaN, which fails every comparison.
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        rep = self.repetition_penalty
-        if not math.isfinite(rep) or rep <= 0:
-            raise ValueError(f"repetition_penalty must be > 0 and finite, got {rep}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not -2 <= value <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-        if any(s == "" for s in self.stop):
-            raise ValueError("stop must not contain an empty string")
-        bad_ids = [i for i in self.stop_token_ids if i < 0]
-        if bad_ids:
-            raise ValueError(f"stop_token_ids must be >= 0, got {bad_ids}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
-        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
-        if self.seed is not None and not 0 <= self.seed <= _MAX_SEED:
-            raise ValueError(f"seed must be in [0, 2**64 - 1], got {self.seed}")
-
 
 def _require_int(name: str, value: object) -> None:
     # bool is a subclass of int; `max_tokens: true` is a client bug, not 1.
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int, got {value!r}")
+
+
+def _spec(field: dataclasses.Field[Any], hint: Any) -> ParamSpec:
+    if "param" not in field.metadata:
+        raise TypeError(f"SamplingParams.{field.name}: declare it with param(...)")
+    help, rules, http, grpc = field.metadata["param"]
+    # `int | None` -> int, nullable; `tuple[str, ...]` -> tuple.
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    (base,) = (a for a in args if a is not type(None))
+    kind = typing.get_origin(base) or base
+    key = field.name if http == "" else http
+    return ParamSpec(field.name, kind, type(None) in args, field.default, help, rules, key, grpc)
+
+
+_HINTS = typing.get_type_hints(SamplingParams)
+FIELDS: tuple[ParamSpec, ...] = tuple(
+    _spec(f, _HINTS[f.name]) for f in dataclasses.fields(SamplingParams)
+)

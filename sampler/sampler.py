@@ -1,4 +1,17 @@
-"""Batched next-token sampling: penalties, bans, filters and a seedable random draw."""
+"""Batched sampling with per-row settings kept on the device: a step never waits on the host.
+
+A step samples *positions*: one logits row each, belonging to a device row. An ordinary
+row has one sampled position a step; a row that verifies drafts has one per draft and one
+more, each at its own offset past the row's last output. A position at offset j samples
+as the row's (generated + j)-th output would: its seeded noise, its min_tokens ban and
+its penalty counts (which include the drafts before it) are those of that output, so a
+verified token is exactly the token one-at-a-time decoding samples there.
+
+Parameters are written to device tensors indexed by row once, when a row joins
+(``RowSettings``); every per-batch decision (which features run, how many top logprobs)
+reads host copies of them, never the device. ``record`` counts the tokens a row emits
+(which, for a row that verified drafts, only the caller knows).
+"""
 
 from __future__ import annotations
 
@@ -6,245 +19,206 @@ from dataclasses import dataclass
 
 import torch
 
-from sampler.noise import exponential_noise, seed_to_int64
-from sampler.params import SamplingParams
-
-# Below this temperature logits / T overflows float32 for ordinary logit ranges; such
-# rows are sampled greedily, which is what the distribution has collapsed to anyway.
-_GREEDY_EPS = 1e-5
+from sampler.noise import exponential_noise
+from sampler.row_settings import RowSettings
 
 
 @dataclass(slots=True)
-class SlotState:
-    """Per request; lives on the device side for the request's lifetime."""
+class Positions:
+    """The positions a step samples, in logits order."""
 
-    params: SamplingParams
-    prompt_ids: torch.Tensor | None  # int64 [P], needed only for repetition_penalty
-    stop_ids: list[int]  # eos + stop_token_ids, banned while len(output_ids) < min_tokens
-    output_ids: list[int]  # tokens sampled so far (the sampler appends to it)
+    rows: torch.Tensor  # int64 [S] on the host: each position's row
+    rows_dev: torch.Tensor  # int64 [S]: the same on the device
+    offsets: torch.Tensor | None = None  # int64 [S], host: j past the row's last output
+    offsets_dev: torch.Tensor | None = None  # the same on the device (None: all 0)
+    # Drafts a position follows within its row, for penalties: (position index, token) pairs.
+    drafts_before: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def one_each(cls, rows: list[int] | torch.Tensor, device: torch.device | str) -> Positions:
+        """One position per row, at offset 0 (a decode step)."""
+        host = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
+        return cls(host, host.to(device))
 
 
 @dataclass(slots=True)
-class SampleResult:
-    tokens: list[int]
-    logprobs: list[float] | None  # logprob of each sampled token, when any row asked
-    top_logprobs: list[list[tuple[int, float]]] | None  # per row; [] for rows that did not ask
+class Sample:
+    tokens: torch.Tensor  # int64 [S]
+    logprobs: torch.Tensor | None  # float32 [S]: raw logprob of each sampled token
+    top_ids: torch.Tensor | None  # int64 [S, K], K = most top logprobs any row asked
+    top_logprobs: torch.Tensor | None  # float32 [S, K]
+    wanted: list[int | None]  # each position's row's logprobs setting, to trim its top-K
 
 
-class Sampler:
-    def __init__(self, vocab_size: int, seed: int | None = None) -> None:
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-            raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
-        self.vocab_size = vocab_size
-        self._seed = seed
-        # Unseeded rows share one generator per device, so a batch costs one draw.
-        self._shared: dict[torch.device, torch.Generator] = {}
+class Sampler(RowSettings):
+    """Picks one token per position from its row's settings on the device."""
 
-    def sample(self, logits: torch.Tensor, states: list[SlotState]) -> SampleResult:
-        """Pick one token per row of ``logits`` [B, >=V] and append it to that row's state."""
-        if logits.dim() != 2 or logits.shape[0] != len(states):
+    def sample(
+        self, logits: torch.Tensor, at: Positions, noise: torch.Tensor | None = None
+    ) -> Sample:
+        """One token per row of ``logits`` [S, >=V], the positions ``at``.
+
+        ``noise`` [S, V] of Exp(1) draws replaces the rows' seeded noise (tests inject it).
+        """
+        ids = at.rows  # the host copies' index
+        S, V = len(ids), self.vocab_size
+        if logits.dim() != 2 or logits.shape[0] != S or tuple(at.rows_dev.shape) != (S,):
             raise ValueError(
-                f"logits must be [{len(states)}, V], got {tuple(logits.shape)} for "
-                f"{len(states)} states"
+                f"logits must be [{S}, V] and rows_dev [{S}], got {tuple(logits.shape)} and "
+                f"{tuple(at.rows_dev.shape)}"
             )
-        if logits.shape[1] < self.vocab_size:
-            raise ValueError(f"logits have {logits.shape[1]} columns < vocab {self.vocab_size}")
-        if not states:
-            return SampleResult([], None, None)
-        raw = logits[:, : self.vocab_size]
+        if logits.shape[1] < V:
+            raise ValueError(f"logits have {logits.shape[1]} columns < vocab {V}")
+        if S and (ids.min() < 0 or ids.max() >= self.capacity or not self.live[ids].all()):
+            raise ValueError(f"rows {at.rows.tolist()} include one that was not added")
+        if S == 0:
+            empty = torch.empty(0, dtype=torch.int64, device=logits.device)
+            return Sample(empty, None, None, None, [])
+        raw = logits[:, :V]
         if raw.dtype != torch.float32:
             raw = raw.float()
+        tokens = self._pick(raw, ids, at, noise)
+        logprobs, top_ids, top_logprobs, wanted = self._logprobs(raw, tokens, ids)
+        return Sample(tokens, logprobs, top_ids, top_logprobs, wanted)
 
-        tokens = self._pick(raw, states)
-        token_list = tokens.tolist()
-        logprobs, top = _logprobs(raw, tokens, states)
-        for state, tok in zip(states, token_list, strict=True):
-            state.output_ids.append(tok)
-        return SampleResult(token_list, logprobs, top)
+    def record(self, rows: torch.Tensor, rows_dev: torch.Tensor, tokens: torch.Tensor) -> None:
+        """``tokens`` [N] are outputs of ``rows`` [N] (host int64; a row may appear once per
+        token, in output order): they count toward min_tokens, the seeded noise's step and
+        penalties."""
+        if not len(rows):
+            return
+        ids = rows
+        if self.counts is not None and self.host["penalised"][ids].any():
+            # Only penalised rows read their counts, and each of their tokens passes here.
+            ones = torch.ones(len(rows), device=tokens.device)
+            self.counts.view(-1).index_add_(0, rows_dev * self.vocab_size + tokens, ones)
+        self.generated.index_add_(0, rows_dev, torch.ones_like(rows_dev))
+        self.host_generated.index_add_(0, ids, torch.ones_like(ids))
 
-    def _pick(self, raw: torch.Tensor, states: list[SlotState]) -> torch.Tensor:
-        greedy = [s.params.temperature < _GREEDY_EPS for s in states]
-        penalised = any(_has_penalty(s.params) for s in states)
-        banned = any(_min_tokens_active(s) for s in states)
-        if all(greedy) and not penalised and not banned:
-            # max's indices: the same first-maximum rule as argmax, 2.5x faster on a CPU's
-            # [40, 49152] logits (argmax's reduction is not vectorised there).
-            return raw.max(dim=-1).indices
+    def _pick(
+        self, raw: torch.Tensor, ids: torch.Tensor, at: Positions, noise: torch.Tensor | None
+    ) -> torch.Tensor:
+        host, rows_dev = self.host, at.rows_dev
+        all_greedy = bool(host["greedy"][ids].all())
+        penalised = bool(host["penalised"][ids].any())
+        ahead = self.host_generated[ids]
+        if at.offsets is not None:
+            ahead = ahead + at.offsets
+        banned = bool((self.banning[ids] & (ahead < host["min_tokens"][ids])).any())
+        if all_greedy and not penalised and not banned:
+            return _argmax(raw)
 
         logits = raw.clone()  # never modify the caller's logits
         if penalised:
-            _apply_penalties(logits, states)
+            self._apply_penalties(logits, ids, at)
         if banned:
-            _ban_stop_ids(logits, states)
-        best = logits.argmax(dim=-1)
-        if all(greedy):
+            self._ban_stop_ids(logits, at)
+        best = _argmax(logits)
+        if all_greedy:
             return best
+        drawn = self._draw(logits, ids, at, noise)
+        return torch.where(self.dev["greedy"][rows_dev], best, drawn)
 
-        drawn = self._draw(logits, states, greedy)
-        greedy_mask = torch.tensor(greedy, device=logits.device)
-        return torch.where(greedy_mask, best, drawn)
+    def _steps(self, at: Positions) -> torch.Tensor:
+        """Each position's output index in its row: generated so far plus its offset."""
+        steps = self.generated[at.rows_dev]
+        return steps if at.offsets_dev is None else steps + at.offsets_dev
+
+    def _apply_penalties(self, logits: torch.Tensor, ids: torch.Tensor, at: Positions) -> None:
+        """vLLM semantics: repetition over prompt + output, presence/frequency over output."""
+        dev, rows_dev = self.dev, at.rows_dev
+        if self.counts is None:
+            raise RuntimeError("a penalised row joined without output counts")
+        out_counts = self.counts[rows_dev]
+        if at.drafts_before is not None:
+            where, tokens = at.drafts_before
+            out_counts.index_put_(
+                (where, tokens), torch.ones_like(where, dtype=torch.float32), True
+            )
+        out_seen = out_counts > 0
+        if self.host["repeats"][ids].any():
+            if self.prompt_seen is None:
+                raise RuntimeError("a repetition-penalised row joined without its prompt")
+            seen = out_seen | self.prompt_seen[rows_dev]
+            penalty = torch.where(seen, dev["repetition_penalty"][rows_dev].unsqueeze(1), 1.0)
+            # Dividing a negative logit would raise it; multiplying lowers it, as intended.
+            logits.copy_(torch.where(logits > 0, logits / penalty, logits * penalty))
+        freq = dev["frequency_penalty"][rows_dev].unsqueeze(1)
+        pres = dev["presence_penalty"][rows_dev].unsqueeze(1)
+        logits.sub_(freq * out_counts + pres * out_seen)
+
+    def _ban_stop_ids(self, logits: torch.Tensor, at: Positions) -> None:
+        active = self._steps(at) < self.dev["min_tokens"][at.rows_dev]
+        stops = self.stops[at.rows_dev]
+        # Column V takes the padding; every write to one cell carries the same value.
+        ban = torch.zeros(
+            logits.shape[0], self.vocab_size + 1, dtype=torch.bool, device=logits.device
+        )
+        ban.scatter_(1, stops, active.unsqueeze(1).expand_as(stops))
+        logits.masked_fill_(ban[:, : self.vocab_size], float("-inf"))
 
     def _draw(
-        self, logits: torch.Tensor, states: list[SlotState], greedy: list[bool]
+        self, logits: torch.Tensor, ids: torch.Tensor, at: Positions, noise: torch.Tensor | None
     ) -> torch.Tensor:
-        device = logits.device
-        params = [s.params for s in states]
-        # Greedy rows ride along with neutral settings; their draw is discarded.
-        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
-        logits.div_(torch.tensor(temps, device=device).unsqueeze(1))
-
-        if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+        dev, rows_dev = self.dev, at.rows_dev
+        logits.div_(dev["temperature"][rows_dev].unsqueeze(1))
+        if (self.host["min_p"][ids] > 0).any():
+            min_p = dev["min_p"][rows_dev].unsqueeze(1)
             probs = logits.softmax(dim=-1)
             keep = probs >= min_p * probs.amax(dim=-1, keepdim=True)
             logits.masked_fill_(~keep, float("-inf"))
-        _top_k_top_p(logits, params)
-
+        self._top_k_top_p(logits, ids, rows_dev)
         probs = logits.softmax(dim=-1)
-        noise = self._noise(probs.shape, states, device)
-        # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i,
-        # and makes each row's draw a function of its own noise only.
-        return (probs / noise).argmax(dim=-1)
+        if noise is None:
+            # Counter-based noise by (seed, output index): a seeded row draws the same token
+            # in any batch, on any device, drafted or not.
+            noise = exponential_noise(dev["seed"][rows_dev], self._steps(at), self.vocab_size)
+        # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i.
+        return _argmax(probs / noise)
 
-    def _noise(
-        self, shape: torch.Size, states: list[SlotState], device: torch.device
-    ) -> torch.Tensor:
-        noise = torch.empty(shape, device=device)
-        noise.exponential_(generator=self._shared_generator(device))
-        seeded = [
-            (i, seed_to_int64(s.params.seed), len(s.output_ids))
-            for i, s in enumerate(states)
-            if s.params.seed is not None
-        ]
-        if seeded:
-            # The counter-based noise DeviceSampler draws too: a seeded request gets the same
-            # tokens whatever device, batch or runner samples it.
-            index, seeds, steps = zip(*seeded, strict=True)
-            noise[torch.tensor(index, device=device)] = exponential_noise(
-                torch.tensor(seeds, dtype=torch.int64, device=device),
-                torch.tensor(steps, dtype=torch.int64, device=device),
-                shape[1],
-            )
-        # Exp(1) can return exactly 0; p / 0 would be inf (or NaN for a filtered token).
-        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    def _top_k_top_p(self, logits: torch.Tensor, ids: torch.Tensor, rows_dev: torch.Tensor) -> None:
+        vocab = self.vocab_size
+        ks = self.host["top_k"][ids]
+        use_k = bool((ks < vocab).any())
+        use_p = bool((self.host["top_p"][ids] < 1.0).any())
+        if not use_k and not use_p:
+            return
+        k = self.dev["top_k"][rows_dev].unsqueeze(1)
+        if not use_p:
+            # topk up to the largest k is cheaper than a full sort of the vocabulary.
+            top = logits.topk(int(ks.max()), dim=-1).values
+            kth = top.gather(1, k - 1)
+            logits.masked_fill_(logits < kth, float("-inf"))
+            return
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        sorted_logits.masked_fill_(rank >= k, float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token
+        top_p = self.dev["top_p"][rows_dev].unsqueeze(1)
+        sorted_logits.masked_fill_(before > top_p, float("-inf"))
+        logits.scatter_(1, order, sorted_logits)
 
-    def _shared_generator(self, device: torch.device) -> torch.Generator:
-        gen = self._shared.get(device)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            if self._seed is None:
-                gen.seed()
-            else:
-                gen.manual_seed(self._seed)
-            self._shared[device] = gen
-        return gen
-
-
-def _has_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
-def _min_tokens_active(s: SlotState) -> bool:
-    return bool(s.stop_ids) and len(s.output_ids) < s.params.min_tokens
-
-
-def _token_counts(
-    rows: list[list[int] | torch.Tensor], vocab: int, device: torch.device
-) -> torch.Tensor:
-    """[B, V] float counts of each token id per row; ids outside the vocab are dropped."""
-    width = max((len(r) for r in rows), default=0)
-    counts = torch.zeros(len(rows), vocab + 1, device=device)
-    if width == 0:
-        return counts[:, :vocab]
-    ids = torch.full((len(rows), width), vocab, dtype=torch.int64, device=device)
-    for i, r in enumerate(rows):
-        if len(r):
-            ids[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64, device=device)
-    # The extra column absorbs padding and out-of-vocab ids.
-    ids = torch.where((ids >= 0) & (ids < vocab), ids, vocab)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
-    return counts[:, :vocab]
+    def _logprobs(
+        self, raw: torch.Tensor, tokens: torch.Tensor, ids: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, list[int | None]]:
+        """Logprobs of the raw model distribution, before penalties and temperature."""
+        asked = self.host["logprobs"][ids]
+        wanted = [None if n < 0 else n for n in asked.tolist()]  # a CPU tensor: no sync
+        if (asked < 0).all():
+            return None, None, None, wanted
+        logp = raw.log_softmax(dim=-1)
+        chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        most = min(int(asked.max()), self.vocab_size)
+        if most <= 0:
+            return chosen, None, None, wanted
+        values, top_ids = logp.topk(most, dim=-1)
+        return chosen, top_ids, values, wanted
 
 
-def _apply_penalties(logits: torch.Tensor, states: list[SlotState]) -> None:
-    """vLLM semantics: repetition over prompt + output, presence/frequency over output only."""
-    vocab, device = logits.shape[1], logits.device
-    params = [s.params for s in states]
-    outputs = [s.output_ids if _has_penalty(s.params) else [] for s in states]
-    out_counts = _token_counts(outputs, vocab, device)
-    out_seen = out_counts > 0
-
-    if any(p.repetition_penalty != 1.0 for p in params):
-        prompts: list[list[int] | torch.Tensor] = [
-            s.prompt_ids if s.prompt_ids is not None and s.params.repetition_penalty != 1.0 else []
-            for s in states
-        ]
-        seen = out_seen | (_token_counts(prompts, vocab, device) > 0)
-        rep = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
-        penalty = torch.where(seen, rep, 1.0)
-        # Dividing a negative logit would raise it; multiplying lowers it, as intended.
-        logits.copy_(torch.where(logits > 0, logits / penalty, logits * penalty))
-
-    freq = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
-    pres = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
-    logits.sub_(freq * out_counts + pres * out_seen)
-
-
-def _ban_stop_ids(logits: torch.Tensor, states: list[SlotState]) -> None:
-    vocab = logits.shape[1]
-    rows, cols = [], []
-    for i, s in enumerate(states):
-        if _min_tokens_active(s):
-            ids = [t for t in s.stop_ids if 0 <= t < vocab]
-            rows += [i] * len(ids)
-            cols += ids
-    if rows:
-        device = logits.device
-        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
-
-
-def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
-    vocab, device = logits.shape[1], logits.device
-    # 0 and -1 mean off; a k beyond the vocab is off too.
-    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    use_k = any(k < vocab for k in ks)
-    use_p = any(p.top_p < 1.0 for p in params)
-    if not use_k and not use_p:
-        return
-    k = torch.tensor(ks, device=device).unsqueeze(1)
-    if not use_p:
-        # topk up to the largest k is cheaper than a full sort of the vocab.
-        top = logits.topk(max(ks), dim=-1).values
-        kth = top.gather(1, k - 1)
-        logits.masked_fill_(logits < kth, float("-inf"))
-        return
-
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=device).unsqueeze(0)
-    sorted_logits.masked_fill_(rank >= k, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token
-    # Rows with top_p == 1 get a limit above any rounding error of the cumsum.
-    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], device=device)
-    sorted_logits.masked_fill_(before > top_p.unsqueeze(1), float("-inf"))
-    logits.scatter_(1, order, sorted_logits)
-
-
-def _logprobs(
-    raw: torch.Tensor, tokens: torch.Tensor, states: list[SlotState]
-) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
-    """Logprobs of the raw model distribution, before penalties and temperature."""
-    wanted = [s.params.logprobs for s in states]
-    if all(n is None for n in wanted):
-        return None, None
-    logp = raw.log_softmax(dim=-1)
-    chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-    most = max(n or 0 for n in wanted)
-    top: list[list[tuple[int, float]]] = [[] for _ in states]
-    if most > 0:
-        values, ids = logp.topk(min(most, logp.shape[1]), dim=-1)
-        values_l, ids_l = values.tolist(), ids.tolist()
-        for i, n in enumerate(wanted):
-            if n:
-                top[i] = list(zip(ids_l[i][:n], values_l[i][:n], strict=True))
-    return chosen, top
+def _argmax(values: torch.Tensor) -> torch.Tensor:
+    """The first maximum of each row. On a CPU ``max``'s indices are the same and ~2.5x
+    faster than ``argmax`` (whose reduction is not vectorised there)."""
+    if values.device.type == "cpu":
+        return values.max(dim=-1).indices
+    return values.argmax(dim=-1)

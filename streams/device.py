@@ -21,9 +21,24 @@ class DeviceError(RuntimeError):
 
 
 class Runner(Protocol):
-    """What runs inside a device: one plan at a time, in launch order."""
+    """What runs inside a device process: every runner (model on CPU or CUDA, simulated).
 
-    def run(self, plan: StepPlan) -> StepResult: ...
+    ``launch`` enqueues a step and returns its pending handle without waiting for the
+    device (a CPU runs the step inside it: its work is the host's); ``finish`` waits for a
+    launched step and returns its result. The device loop launches from one thread and
+    finishes from another, in launch order; a runner bounds how many are in flight by
+    blocking in ``launch``.
+    """
+
+    info: dict[str, Any]  # told to the control plane at start (a GPU's KV pool size)
+
+    def launch(self, plan: StepPlan, arrived_at: float) -> Any:
+        """Enqueue ``plan`` (its bytes came in at ``arrived_at``); its pending step."""
+        ...
+
+    def finish(self, pending: Any) -> StepResult:
+        """Wait for a launched step; its result (a failed step's carries its error)."""
+        ...
 
     def replay(self, plans: list[StepPlan]) -> StepResult:
         """Run recorded plans back to back on fresh row state; one result spanning all."""

@@ -18,9 +18,8 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from streams.device import DeviceError, DeviceSpec
+from streams.device import DeviceError, DeviceSpec, Runner
 from streams.plan import StepResult
-from streams.sim import PreciseClock
 from streams.wire import (
     FAILED,
     READY,
@@ -66,54 +65,26 @@ def _device_main(plan_recv: Connection, result_send: Connection, heartbeat: str)
     except Exception:
         result_send.send_bytes(FAILED + traceback.format_exc().encode())
         return
-    result_send.send_bytes(READY + pickle.dumps(getattr(runner, "info", {})))
-    if hasattr(runner, "launch"):
-        _pipelined_loop(runner, plan_recv, result_send)
-        return
-
-    clock = PreciseClock()
-    modelled = getattr(runner, "modelled", False)
-    ahead: tuple[bytes, Any, float] | None = None  # a message read while a step ran
-    while True:
-        if ahead is not None:
-            (kind, payload, arrived_at), ahead = ahead, None
-        else:
-            try:
-                kind, payload, arrived_at = _read(plan_recv)
-            except (EOFError, OSError):  # the control plane went away: shut down
-                return
-        if kind == SHUTDOWN:
-            return
-        try:
-            if kind == STEP:
-                result = runner.run(payload, arrived_at) if modelled else runner.run(payload)
-                if result.device_end > time.monotonic():
-                    # A modelled step (the simulated device): like a GPU's host thread, take
-                    # the next plan in while the step "runs", then finish it on time.
-                    ahead = _read_ahead(plan_recv, clock, result.device_end)
-            elif kind == REPLAY:
-                result = runner.replay(payload)
-            else:
-                continue
-            result_send.send_bytes(RESULT + encode_result(result))
-        except (BrokenPipeError, OSError):
-            return
+    result_send.send_bytes(READY + pickle.dumps(runner.info))
+    _run(runner, plan_recv, result_send)
 
 
-def _pipelined_loop(runner: Any, plan_recv: Connection, result_send: Connection) -> None:
-    """A runner that launches without waiting (``launch(plan) -> pending``): this thread
-    reads plans and launches them; a completer thread waits for each step (``finish``, which
-    releases the GIL while it waits on the device) and sends results in launch order. The
-    runner's slots bound how far launching runs ahead."""
-    launched: queue.Queue[Any] = queue.Queue()
+def _run(runner: Runner, plan_recv: Connection, result_send: Connection) -> None:
+    """This thread reads plans and launches them; a completer thread waits for each step
+    (``finish``: a GPU's event wait releases the GIL, the simulated device waits for its
+    modelled end) and sends results in launch order. So the next plan is read, decoded and
+    launched while a step runs."""
+    launched: queue.Queue[tuple[Any, StepResult | None] | None] = queue.Queue()
 
     def complete() -> None:
         while True:
-            pending = launched.get()
-            if pending is None:
+            item = launched.get()
+            if item is None:
                 return
+            pending, result = item
             try:
-                result = runner.finish(pending)
+                if result is None:
+                    result = runner.finish(pending)
             except DeviceError:
                 traceback.print_exc()
                 os._exit(70)  # the control plane sees the process gone and replaces it
@@ -130,18 +101,22 @@ def _pipelined_loop(runner: Any, plan_recv: Connection, result_send: Connection)
     completer.start()
     while True:
         try:
-            kind, payload, _ = _read(plan_recv)
+            kind, payload, arrived_at = _read(plan_recv)
         except (EOFError, OSError):
-            kind, payload = SHUTDOWN, None
+            kind, payload, arrived_at = SHUTDOWN, None, 0.0
         if kind == SHUTDOWN:
             launched.put(None)
             completer.join(timeout=30)
             return
-        if kind == STEP:
-            launched.put(runner.launch(payload))
-        elif kind == REPLAY:
-            launched.join()  # a replay runs on an idle device
-            launched.put(runner.replay(payload))
+        try:
+            if kind == STEP:
+                launched.put((runner.launch(payload, arrived_at), None))
+            elif kind == REPLAY:
+                launched.join()  # a replay runs on an idle device
+                launched.put((None, runner.replay(payload)))
+        except DeviceError:
+            traceback.print_exc()
+            os._exit(70)
 
 
 def _read(plan_recv: Connection) -> tuple[bytes, Any, float]:
@@ -156,19 +131,6 @@ def _read(plan_recv: Connection) -> tuple[bytes, Any, float]:
         plans = [decode_plan(f) for f in pickle.loads(memoryview(frame)[1:])]
         return kind, plans, arrived_at
     return kind, None, arrived_at
-
-
-def _read_ahead(
-    plan_recv: Connection, clock: PreciseClock, deadline: float
-) -> tuple[bytes, Any, float] | None:
-    ahead = None
-    if plan_recv.poll(max(0.0, deadline - time.monotonic() - clock.margin_s)):
-        try:
-            ahead = _read(plan_recv)
-        except (EOFError, OSError):
-            ahead = (SHUTDOWN, None, time.monotonic())
-    clock.wait_until(deadline)
-    return ahead
 
 
 if __name__ == "__main__":

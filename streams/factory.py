@@ -9,7 +9,7 @@ from typing import Any
 from streams.device import Device, DeviceSpec
 from streams.pipeline.runner import build_pipelined_runner
 from streams.process_device import ProcessDevice
-from streams.runner import build_model_runner
+from streams.rows import Propose
 from streams.sim import CostModel
 from streams.sim_runner import build_sim_runner
 
@@ -24,46 +24,33 @@ def model_spec(
     max_blocks_per_row: int,
     threads: int,
     tokenizer_folder: str | None = None,
-    pipelined: bool | None = None,
     cuda_graphs: bool = True,
     graph_max_batch: int = 80,
     memory_share: float = 0.9,
     step_tokens: int = 512,
+    propose: Propose | None = None,
 ) -> DeviceSpec:
-    """A device that runs the model: on the CPU with ``threads`` torch threads, or on CUDA.
-    ``tokenizer_folder`` lets it compile grammars for structured output. ``pipelined`` (the
-    default on CUDA) launches steps without waiting for them; on CPU it runs the same code
-    serialised, which tests and A/B runs use."""
+    """A device that runs the model: on the CPU with ``threads`` torch threads, or on CUDA,
+    through the one model runner (``streams.pipeline.runner``). ``tokenizer_folder`` lets it
+    compile grammars for structured output; ``propose`` drafts for rows that verify drafts."""
     if kind not in ("cpu", "cuda"):
         raise ValueError(f"a model device is cpu or cuda, got {kind!r}")
-    if pipelined is None:
-        pipelined = kind == "cuda"
-    if num_blocks is None and not (pipelined and kind == "cuda"):
-        raise ValueError("num_blocks is sized from GPU memory only by the pipelined CUDA runner")
-    if pipelined:
-        factory = functools.partial(
-            build_pipelined_runner,
-            model_factory,
-            num_blocks,
-            block_size,
-            max_blocks_per_row,
-            kind,
-            tokenizer_folder,
-            cuda_graphs,
-            graph_max_batch,
-            memory_share,
-            step_tokens,
-        )
-    else:
-        factory = functools.partial(
-            build_model_runner,
-            model_factory,
-            num_blocks,
-            block_size,
-            max_blocks_per_row,
-            kind,
-            tokenizer_folder,
-        )
+    if num_blocks is None and kind != "cuda":
+        raise ValueError("num_blocks is sized from GPU memory only on CUDA")
+    factory = functools.partial(
+        build_pipelined_runner,
+        model_factory,
+        num_blocks,
+        block_size,
+        max_blocks_per_row,
+        kind,
+        tokenizer_folder,
+        cuda_graphs,
+        graph_max_batch,
+        memory_share,
+        step_tokens,
+        propose,
+    )
     return DeviceSpec(factory, threads if kind == "cpu" else 1)
 
 
@@ -73,10 +60,11 @@ def sim_spec(
     eos_ids: tuple[int, ...],
     block_size: int,
     max_blocks_per_row: int,
+    propose: Propose | None = None,
 ) -> DeviceSpec:
     """The simulated device: no torch, no weights, a modelled step time."""
     factory = functools.partial(
-        build_sim_runner, cost, vocab_size, eos_ids, block_size, max_blocks_per_row
+        build_sim_runner, cost, vocab_size, eos_ids, block_size, max_blocks_per_row, propose
     )
     return DeviceSpec(factory, threads=0)
 

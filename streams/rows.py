@@ -1,28 +1,72 @@
-"""Device-side row state: block tables and last sampled tokens, kept between steps.
+"""The device's row state: block tables, each row's tokens, and a step's layout from them.
 
-Every device applies a plan's changes here first (released rows, new rows, table resets,
-appended blocks), then asks for the flat arrays its forward pass needs. All of it is numpy,
-so a step of hundreds of requests costs tens of microseconds, not a Python loop per token.
+Every runner applies a plan's changes here first (released rows, new rows, table resets,
+appended blocks), then asks for the step's layout: starts resolved, drafts filled, and the
+flat arrays its forward pass needs. Once it knows the tokens a step sampled, it records
+them: each row's count of tokens grows by what it emitted (a row that verified drafts
+emits its verified run plus one), and its tokens join its history, which drafters and the
+simulated device read. All of it is numpy, so a step of hundreds of requests costs tens of
+microseconds, not a Python loop per token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from streams.plan import PLACEHOLDER, StepPlan
+from streams.plan import DRAFT, PLACEHOLDER, RESOLVE, StepPlan
+
+# Proposes up to k tokens to follow a row's tokens: (row, its tokens so far, k) -> tokens.
+Propose = Callable[[int, np.ndarray, int], np.ndarray]
 
 
 @dataclass(slots=True)
-class BatchLayout:
-    """Per-token arrays of one step, derived from the plan and the row state."""
+class StepLayout:
+    """One step as the device runs it: the plan with its starts resolved and its drafts filled
+    (a row with fewer drafts than slots computes fewer tokens)."""
 
+    rows: np.ndarray  # int64 [B]
+    starts: np.ndarray  # int64 [B]
+    query_lens: np.ndarray  # int64 [B]
+    num_sampled: np.ndarray  # int64 [B]
+    input_ids: np.ndarray  # int64 [T]; PLACEHOLDER kept (the device fills it), drafts filled
     token_rows: np.ndarray  # int64 [T]: row of each input token
     positions: np.ndarray  # int64 [T]
     kv_slots: np.ndarray  # int64 [T]: block * block_size + offset
     context_lens: np.ndarray  # int64 [B]: tokens in each request's KV after the step
-    block_tables: np.ndarray  # int64 [B, W]: padded with 0, W = most blocks in the batch
+    width: int  # most blocks a row of the step holds
+    sample_index: np.ndarray  # int64 [S]: which inputs' logits are sampled, in order
+    sample_rows: np.ndarray  # int64 [S]
+    sample_offsets: np.ndarray  # int64 [S]: each one's place past its row's last output
+    # int64 [S]: the draft each sampled token must equal for its row's run to go on (-1: the
+    # run's last position, where nothing is drafted)
+    next_drafts: np.ndarray
+    drafted: np.ndarray  # int32 [sampled rows]: drafts each verifies
+
+    @property
+    def verifying(self) -> bool:
+        """Whether any row verifies drafts (only then may a row emit other than one token)."""
+        return bool(self.drafted.any())
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+def _constants(n: int, cache: dict[int, tuple] = {}) -> tuple[np.ndarray, ...]:  # noqa: B006
+    """Read-only arrays a decode step of ``n`` rows lays out every step: ones, 0..n-1, zeros,
+    and -1s (the next draft of a position that verifies none)."""
+    found = cache.get(n)
+    if found is None:
+        found = (np.ones(n, np.int64), np.arange(n), np.zeros(n, np.int64), np.full(n, -1))
+        for array in found:
+            array.flags.writeable = False
+        if len(cache) >= 64:
+            cache.pop(next(iter(cache)))
+        cache[n] = found
+    return found
 
 
 class RowState:
@@ -31,9 +75,11 @@ class RowState:
         self.max_blocks = max_blocks_per_row
         self.tables = np.zeros((rows, max_blocks_per_row), dtype=np.int64)
         self.num_blocks = np.zeros(rows, dtype=np.int64)
-        self.last_tokens = np.zeros(rows, dtype=np.int64)  # the token buffer, host side
         self.live = np.zeros(rows, dtype=bool)
+        self.length = np.zeros(rows, dtype=np.int64)  # tokens the row has: prompt + emitted
+        self.history = np.zeros((rows, 256), dtype=np.int32)  # those tokens
 
+    # ------------------------------------------------------------- plan changes
     def apply(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Bring the row state up to the plan: releases, joins, resets, appended blocks.
         Returns the table entries written, as (rows, columns, blocks), for a device copy."""
@@ -41,9 +87,11 @@ class RowState:
             self.live[plan.released_rows] = False
             self.num_blocks[plan.released_rows] = 0
         for new in plan.new_rows:
-            self._ensure(new.row)
+            self._ensure(new.row, len(new.prompt_ids))
             self.live[new.row] = True
             self.num_blocks[new.row] = 0
+            self.length[new.row] = len(new.prompt_ids)
+            self.history[new.row, : len(new.prompt_ids)] = new.prompt_ids
         if len(plan.reset_rows):
             self.num_blocks[plan.reset_rows] = 0
         pairs = plan.new_blocks
@@ -69,11 +117,27 @@ class RowState:
         self.num_blocks[rows[first]] += run_lengths
         return rows, columns, blocks
 
-    def layout(self, plan: StepPlan) -> BatchLayout:
+    # ------------------------------------------------------------------- layout
+    def layout(self, plan: StepPlan, propose: Propose | None = None) -> StepLayout:
+        """The step's layout. RESOLVE starts read the rows' token counts, so every step
+        before that sampled for such a row must have been recorded."""
         rows = plan.rows.astype(np.int64)
-        qlens = plan.query_lens.astype(np.int64)
         starts = plan.starts.astype(np.int64)
-        ends = starts + qlens
+        qlens = plan.query_lens.astype(np.int64)
+        nsampled = plan.num_sampled.astype(np.int64)
+        ids = plan.input_ids.astype(np.int64)
+        resolve = starts == RESOLVE
+        if resolve.any():
+            starts = np.where(resolve, self.length[rows] - 1, starts)
+        if len(rows) and len(ids) == len(rows) and (nsampled == 1).all():
+            return self._decode_layout(rows, starts, ids)
+        slots = np.maximum(nsampled - 1, 0)  # DRAFT slots: the row's last inputs
+        if slots.any():
+            ids, qlens, nsampled, drafted = self._fill_drafts(
+                rows, starts, qlens, nsampled, ids, slots, propose
+            )
+        else:
+            drafted = np.zeros(int((nsampled > 0).sum()), np.int32)
         token_rows = np.repeat(rows, qlens)
         # Position of each token: its row's start plus its index within the row's run.
         first = np.cumsum(qlens) - qlens
@@ -83,35 +147,149 @@ class RowState:
         if (block_index >= self.num_blocks[token_rows]).any():
             raise ValueError("a plan reads past the end of a row's block table")
         blocks = self.tables[token_rows, block_index]
-        width = int(self.num_blocks[rows].max()) if len(rows) else 0
-        return BatchLayout(
+        # The sampled inputs: each row's last num_sampled.
+        ends = first + qlens
+        sample_rows = np.repeat(rows, nsampled)
+        run_first = np.cumsum(nsampled) - nsampled
+        sample_offsets = np.arange(len(sample_rows)) - np.repeat(run_first, nsampled)
+        sample_index = np.repeat(ends - nsampled, nsampled) + sample_offsets
+        # The draft after each sampled input, within its row's run (-1 at the run's end).
+        last = sample_offsets == np.repeat(nsampled - 1, nsampled)
+        next_drafts = np.where(last, -1, ids[np.minimum(sample_index + 1, len(ids) - 1)])
+        return StepLayout(
+            rows=rows,
+            starts=starts,
+            query_lens=qlens,
+            num_sampled=nsampled,
+            input_ids=ids,
             token_rows=token_rows,
             positions=positions,
             kv_slots=blocks * bs + positions % bs,
-            context_lens=ends,
-            block_tables=self.tables[rows, : max(width, 1)],
+            context_lens=starts + qlens,
+            width=int(self.num_blocks[rows].max()) if len(rows) else 0,
+            sample_index=sample_index,
+            sample_rows=sample_rows,
+            sample_offsets=sample_offsets,
+            next_drafts=next_drafts,
+            drafted=drafted,
         )
 
-    def input_ids(self, plan: StepPlan, token_rows: np.ndarray) -> np.ndarray:
-        """The plan's inputs with PLACEHOLDERs filled from the host-side token buffer."""
-        ids = plan.input_ids.astype(np.int64)
+    def _decode_layout(self, rows: np.ndarray, starts: np.ndarray, ids: np.ndarray) -> StepLayout:
+        """A decode step's layout (one token each, each sampled): most arrays are the rows'."""
+        n, bs = len(rows), self.block_size
+        block_index = starts // bs
+        if (block_index >= self.num_blocks[rows]).any():
+            raise ValueError("a plan reads past the end of a row's block table")
+        ones, counting, zeros, none = _constants(n)
+        return StepLayout(
+            rows=rows,
+            starts=starts,
+            query_lens=ones,
+            num_sampled=ones,
+            input_ids=ids,
+            token_rows=rows,
+            positions=starts,
+            kv_slots=self.tables[rows, block_index] * bs + starts % bs,
+            context_lens=starts + 1,
+            width=int(self.num_blocks[rows].max()),
+            sample_index=counting,
+            sample_rows=rows,
+            sample_offsets=zeros,
+            next_drafts=none,
+            drafted=zeros.astype(np.int32),
+        )
+
+    def _fill_drafts(
+        self,
+        rows: np.ndarray,
+        starts: np.ndarray,
+        qlens: np.ndarray,
+        nsampled: np.ndarray,
+        ids: np.ndarray,
+        slots: np.ndarray,
+        propose: Propose | None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """DRAFT slots filled with the drafter's tokens; slots it leaves empty are dropped."""
+        if propose is None:
+            raise ValueError("a plan has DRAFT slots but the device has no drafter")
+        ends = np.cumsum(qlens)
+        pieces, filled = [], slots.copy()
+        at = 0
+        for i in np.flatnonzero(slots).tolist():
+            k, end, row = int(slots[i]), int(ends[i]), int(rows[i])
+            if (ids[end - k : end] != DRAFT).any() or (ids[at : end - k] == DRAFT).any():
+                raise ValueError("a row's DRAFT slots must be its last inputs")
+            if ids[end - k - 1] != PLACEHOLDER or starts[i] + qlens[i] - k != self.length[row]:
+                raise ValueError("a row verifying drafts must start from its last token")
+            drafts = np.asarray(propose(row, self.history[row, : self.length[row]], k), np.int64)
+            drafts = drafts[:k]
+            pieces += [ids[at : end - k], drafts]
+            filled[i] = len(drafts)
+            at = end
+        pieces.append(ids[at:])
+        if (ids[at:] == DRAFT).any():
+            raise ValueError("a row's DRAFT slots must be its last inputs")
+        cut = slots - filled
+        sampled_rows = nsampled > 0
+        return np.concatenate(pieces), qlens - cut, nsampled - cut, filled[sampled_rows]
+
+    # --------------------------------------------------------------- results
+    def placeholder_tokens(self, layout: StepLayout) -> np.ndarray:
+        """The inputs with PLACEHOLDERs filled from the rows' recorded tokens (a runner
+        whose sampled tokens are all on the host: the simulated device)."""
+        ids = layout.input_ids
         carried = ids == PLACEHOLDER
-        if carried.any():
-            ids[carried] = self.last_tokens[token_rows[carried]]
+        if not carried.any():
+            return ids
+        ids = ids.copy()
+        ids[carried] = self.history[layout.token_rows[carried], layout.positions[carried]]
         return ids
 
-    def record_sampled(self, plan: StepPlan, tokens: np.ndarray) -> None:
-        self.last_tokens[plan.rows[plan.sample]] = tokens
+    def record(self, layout: StepLayout, tokens: np.ndarray, counts: np.ndarray) -> None:
+        """The step emitted ``tokens`` (``counts`` per sampled row, in order): they follow
+        each row's tokens, at the positions after its last."""
+        self.remember(layout, self.grow(layout, counts), counts, tokens)
+
+    def grow(self, layout: StepLayout, counts: np.ndarray) -> np.ndarray:
+        """The sampled rows' counts of tokens grow by ``counts``; returns them as they were.
+        (A device whose tokens reach the host later grows them at launch: the counts are
+        known then unless the step verified drafts.)"""
+        rows = layout.rows[layout.num_sampled > 0]
+        before = self.length[rows]
+        self.length[rows] = before + counts
+        return before
+
+    def remember(
+        self, layout: StepLayout, before: np.ndarray, counts: np.ndarray, tokens: np.ndarray
+    ) -> None:
+        """The emitted tokens into the rows' histories, after the ``before`` tokens each had."""
+        rows = layout.rows[layout.num_sampled > 0]
+        if not len(rows):
+            return
+        if len(tokens) == len(rows):  # one each
+            if int(before.max()) >= self.history.shape[1]:
+                self._ensure(int(rows.max()), int(before.max()) + 1)
+            self.history[rows, before] = tokens
+            return
+        self._ensure(int(rows.max()), int((before + counts).max()))
+        token_rows = np.repeat(rows, counts)
+        first = np.cumsum(counts) - counts
+        positions = np.repeat(before - first, counts) + np.arange(len(token_rows))
+        self.history[token_rows, positions] = tokens
 
     def table(self, row: int) -> list[int]:
         return self.tables[row, : self.num_blocks[row]].tolist()
 
-    def _ensure(self, row: int) -> None:
-        if row < len(self.live):
-            return
-        grow = max(2 * len(self.live), row + 1)
-        for name in ("tables", "num_blocks", "last_tokens", "live"):
-            old = getattr(self, name)
-            new = np.zeros((grow, *old.shape[1:]), dtype=old.dtype)
-            new[: len(old)] = old
-            setattr(self, name, new)
+    def _ensure(self, row: int, tokens: int) -> None:
+        """Room for row ``row`` and for ``tokens`` tokens in a row's history."""
+        if row >= len(self.live):
+            grow = max(2 * len(self.live), row + 1)
+            for name in ("tables", "num_blocks", "live", "length", "history"):
+                old = getattr(self, name)
+                new = np.zeros((grow, *old.shape[1:]), dtype=old.dtype)
+                new[: len(old)] = old
+                setattr(self, name, new)
+        if tokens > self.history.shape[1]:
+            wider = np.zeros((len(self.live), max(tokens, 2 * self.history.shape[1])), np.int32)
+            wider[:, : self.history.shape[1]] = self.history
+            self.history = wider

@@ -74,7 +74,8 @@ class PreciseClock:
 
     ``time.sleep`` overshoots by ~80 us at the median and by several hundred at the tail
     on this machine (measured at 0.5-2 ms sleeps), far more than a 1 ms step can absorb.
-    So it sleeps until ``margin`` before the deadline and spins the rest. The margin is
+    So it sleeps until ``margin`` before the deadline and spins the rest (yielding the GIL
+    each turn, so a thread beside it, reading the next plan, is not held up). The margin is
     twice the median of recent overshoots: a rare long one (the process was descheduled)
     must not make every later step spin for its whole length.
     """
@@ -92,7 +93,7 @@ class PreciseClock:
             time.sleep(target)
             self._learn(time.monotonic() - start - target)
         while time.monotonic() < deadline:
-            pass
+            time.sleep(0)  # releases the GIL: the thread that reads the next plan runs meanwhile
 
     def _learn(self, overshoot: float) -> None:
         self._recent.append(overshoot)

@@ -23,13 +23,14 @@ _PLAN_ARRAYS = (
     ("rows", np.int32),
     ("starts", np.int32),
     ("query_lens", np.int32),
-    ("sample", np.bool_),
+    ("num_sampled", np.int32),
     ("input_ids", np.int64),
     ("released_rows", np.int32),
     ("reset_rows", np.int32),
     ("new_blocks", np.int32),
 )
-_RESULT_HEAD = struct.Struct("<qddii")  # step id, start, end; tokens; pickled extras length
+# step id, start, end; lengths of tokens, counts, drafted; pickled extras length
+_RESULT_HEAD = struct.Struct("<qddiiii")
 
 
 def encode_plan(plan: StepPlan) -> bytes:
@@ -52,20 +53,32 @@ def decode_plan(frame: bytes) -> StepPlan:
 
 def encode_result(result: StepResult) -> bytes:
     tokens = np.ascontiguousarray(result.tokens, np.int64)
+    counts = np.ascontiguousarray(result.counts, np.int32)
+    drafted = np.ascontiguousarray(result.drafted, np.int32)
     rare = (result.logprobs, result.top_logprobs, result.error)
     extra = pickle.dumps(rare, 5) if any(x is not None for x in rare) else b""
     head = _RESULT_HEAD.pack(
-        result.step_id, result.device_start, result.device_end, len(tokens), len(extra)
+        result.step_id,
+        result.device_start,
+        result.device_end,
+        len(tokens),
+        len(counts),
+        len(drafted),
+        len(extra),
     )
-    return b"".join((head, tokens.tobytes(), extra))
+    return b"".join((head, tokens.tobytes(), counts.tobytes(), drafted.tobytes(), extra))
 
 
 def decode_result(frame: bytes) -> StepResult:
-    step_id, start, end, n, extra_len = _RESULT_HEAD.unpack_from(frame)
+    step_id, start, end, n, n_counts, n_drafted, extra_len = _RESULT_HEAD.unpack_from(frame)
     offset = _RESULT_HEAD.size
     tokens = np.frombuffer(frame, np.int64, n, offset)
     offset += 8 * n
+    counts = np.frombuffer(frame, np.int32, n_counts, offset)
+    offset += 4 * n_counts
+    drafted = np.frombuffer(frame, np.int32, n_drafted, offset)
+    offset += 4 * n_drafted
     logprobs = top = error = None
     if extra_len:
         logprobs, top, error = pickle.loads(frame[offset : offset + extra_len])
-    return StepResult(step_id, tokens, logprobs, top, start, end, error)
+    return StepResult(step_id, tokens, logprobs, top, start, end, error, counts, drafted)

@@ -21,10 +21,11 @@ class LateRunner:
     was: a loop that reports N before launching N+1 shows up as token 0."""
 
     def __init__(self) -> None:
+        self.info: dict = {}
         self.launched: list[int] = []
         self.changed = threading.Condition()
 
-    def launch(self, plan: StepPlan) -> LatePending:
+    def launch(self, plan: StepPlan, arrived_at: float | None = None) -> LatePending:
         with self.changed:
             self.launched.append(plan.step_id)
             self.changed.notify_all()

@@ -71,7 +71,7 @@ class PlanWalk:
             rows.append(req.row)
             starts.append(req.computed)
             lens.append(count)
-            sample.append(req.computed + count == len(req.tokens))
+            sample.append(int(req.computed + count == len(req.tokens)))
             ids += chunk
             req.computed += count
         released, self._released = self._released, []
@@ -80,7 +80,7 @@ class PlanWalk:
             int32s(rows),
             int32s(starts),
             int32s(lens),
-            np.array(sample, dtype=bool),
+            int32s(sample),
             int64s(ids),
             new_rows,
             int32s(released),
@@ -93,7 +93,7 @@ class PlanWalk:
     def record(self, plan: StepPlan, tokens: np.ndarray) -> None:
         """The reference's tokens for ``plan``: sampled rows grow by one token."""
         by_row = {r.row: r for r in self.running}
-        for row, token in zip(plan.rows[plan.sample].tolist(), tokens.tolist(), strict=True):
+        for row, token in zip(plan.rows[plan.sampled].tolist(), tokens.tolist(), strict=True):
             req = by_row.get(row)
             if req is not None:
                 req.tokens.append(int(token))

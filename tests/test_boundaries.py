@@ -51,7 +51,10 @@ ALLOWED: dict[str, list[str]] = {
     # was split into and its policies.
     "async_engine/core/scheduler.py": ["async_engine.core", "blockalloc", "streams.plan", "numpy"],
     "async_engine/core/plan_builder.py": ["async_engine.core", "streams.plan", "numpy"],
-    "async_engine/core/step_results.py": ["async_engine.core", "streams.plan"],
+    "async_engine/core/step_results.py": ["async_engine.core", "streams.plan", "numpy"],
+    "async_engine/core/row_chooser.py": ["async_engine.core", "streams.plan", "numpy"],
+    "async_engine/core/row_table.py": ["async_engine.core", "numpy"],
+    "async_engine/core/running.py": ["async_engine.core", "numpy"],
     "async_engine/core/device_loss.py": ["async_engine.core"],
     "async_engine/core/ledger.py": ["async_engine.core", "blockalloc"],
     "async_engine/core/queues.py": ["async_engine.core"],

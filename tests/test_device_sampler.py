@@ -1,4 +1,5 @@
-"""DeviceSampler: Sampler's semantics with per-row settings on the device, and seeded noise."""
+"""The sampler (per-row settings on the device) picks what the plain reference sampler
+(``tests/reference_sampler.py``, one state object per row) picks, and its seeded noise."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import random
 
 import pytest
 import torch
+from reference_sampler import Sampler as ReferenceSampler
+from reference_sampler import SlotState
 
-from sampler import Sampler, SamplingParams, SlotState
-from sampler.device import DeviceSample, DeviceSampler
+from sampler import Positions, Sample, Sampler, SamplingParams
 from sampler.noise import exponential_noise, seed_to_int64
 
 VOCAB = 64
@@ -23,13 +25,21 @@ def exp_noise(rows: int, seed: int, vocab: int = VOCAB) -> torch.Tensor:
     return torch.empty(rows, vocab).exponential_(generator=torch.Generator().manual_seed(seed))
 
 
+def sample(sampler: Sampler, logits: torch.Tensor, rows: list[int], noise=None) -> Sample:
+    """One token for each of ``rows``, counted as their next output (as a runner does)."""
+    at = Positions.one_each(rows, logits.device)
+    out = sampler.sample(logits, at, noise)
+    sampler.record(at.rows, at.rows_dev, out.tokens)
+    return out
+
+
 class Twin:
-    """The reference Sampler and a DeviceSampler fed the same rows, logits and noise."""
+    """The reference sampler and the sampler fed the same rows, logits and noise."""
 
     def __init__(self, vocab: int = VOCAB, capacity: int = 4) -> None:
         self.vocab = vocab
-        self.ref = Sampler(vocab, seed=0)
-        self.dev = DeviceSampler(vocab, "cpu", rows=capacity, seed=0)
+        self.ref = ReferenceSampler(vocab, seed=0)
+        self.dev = Sampler(vocab, "cpu", rows=capacity, seed=0)
         self.states: dict[int, SlotState] = {}
 
     def add(self, row: int, params: SamplingParams, prompt=(), stops=()) -> None:
@@ -43,7 +53,7 @@ class Twin:
 
     def step(
         self, rows: list[int], logits: torch.Tensor, noise: torch.Tensor | None, monkeypatch
-    ) -> tuple[list[int], DeviceSample]:
+    ) -> tuple[list[int], Sample]:
         """Both samplers on one batch; ``noise`` None leaves each its own noise."""
         states = [self.states[r] for r in rows]
         if noise is None:
@@ -52,12 +62,11 @@ class Twin:
         else:
             monkeypatch.setattr(self.ref, "_noise", lambda shape, states, device: noise)
         want = self.ref.sample(logits, states).tokens
-        got = self.dev.sample(logits, rows, torch.tensor(rows, dtype=torch.int64), noise)
-        return want, got
+        return want, sample(self.dev, logits, rows, noise)
 
 
 def run_steps(twin: Twin, steps: int, monkeypatch, seed: int = 0) -> list[tuple[list, list]]:
-    """Steps over the twin's rows, in a new order each step; (Sampler, DeviceSampler) tokens."""
+    """Steps over the twin's rows, in a new order each step; (reference, sampler) tokens."""
     order = random.Random(seed)
     out = []
     for step in range(steps):
@@ -163,8 +172,8 @@ def test_low_precision_logits_with_padding_columns(monkeypatch):
 
 
 def seeded_tokens(seed: int, batch: int, position: int, steps: int = 8) -> list[int]:
-    """A seeded row's tokens from DeviceSampler, among ``batch - 1`` unseeded rows."""
-    sampler = DeviceSampler(VOCAB, "cpu", rows=2)
+    """A seeded row's tokens, among ``batch - 1`` unseeded rows."""
+    sampler = Sampler(VOCAB, "cpu", rows=2)
     rows = [10 + i for i in range(batch)]
     params = [SamplingParams(temperature=1.5) for _ in rows]
     params[position] = SamplingParams(temperature=1.5, seed=seed)
@@ -174,7 +183,7 @@ def seeded_tokens(seed: int, batch: int, position: int, steps: int = 8) -> list[
     for step in range(steps):
         logits = random_logits(batch, seed=100 * batch + step)
         logits[position] = row
-        got = sampler.sample(logits, rows, torch.tensor(rows))
+        got = sample(sampler, logits, rows)
         out.append(got.tokens[position].item())
     return out
 
@@ -190,7 +199,7 @@ def test_different_seeds_draw_different_tokens():
     assert seeded_tokens(1, batch=2, position=0) != seeded_tokens(2, batch=2, position=0)
 
 
-def test_seeded_rows_pick_the_same_tokens_in_sampler_and_device_sampler(monkeypatch):
+def test_seeded_rows_pick_the_same_tokens_as_the_reference(monkeypatch):
     twin = Twin(vocab=200)
     seeds = [0, 7, 2**63, 2**64 - 1]
     for row, seed in enumerate(seeds):
@@ -264,11 +273,11 @@ def test_a_row_beyond_the_initial_capacity_grows_the_sampler(monkeypatch):
 
 
 def test_sampling_a_row_that_was_not_added_is_an_error():
-    sampler = DeviceSampler(VOCAB, "cpu", rows=4)
+    sampler = Sampler(VOCAB, "cpu", rows=4)
     sampler.add_rows([0], [SamplingParams()], [[]], [[]])
     sampler.release_rows([0])
     with pytest.raises(ValueError, match="not added"):
-        sampler.sample(random_logits(1, seed=0), [0], torch.tensor([0]))
+        sample(sampler, random_logits(1, seed=0), [0])
 
 
 # --- Logprobs -------------------------------------------------------------------------------
@@ -284,7 +293,7 @@ def test_logprobs_and_top_k_equal_samplers_with_k_the_most_any_row_asked(monkeyp
     monkeypatch.setattr(twin.ref, "_noise", lambda shape, states, device: exp_noise(4, 0))
     logits = random_logits(4, seed=0)
     ref = twin.ref.sample(logits, states)
-    got = twin.dev.sample(logits, rows, torch.tensor(rows), exp_noise(4, 0))
+    got = sample(twin.dev, logits, rows, exp_noise(4, 0))
 
     assert got.wanted == asked
     assert got.tokens.tolist() == ref.tokens
@@ -300,12 +309,12 @@ def test_logprobs_and_top_k_equal_samplers_with_k_the_most_any_row_asked(monkeyp
 
 
 def test_no_logprobs_when_no_row_asked_and_no_top_when_all_asked_zero():
-    sampler = DeviceSampler(VOCAB, "cpu")
+    sampler = Sampler(VOCAB, "cpu")
     sampler.add_rows([0, 1], [SamplingParams(), SamplingParams(logprobs=0)], [[], []], [[], []])
-    quiet = sampler.sample(random_logits(1, seed=0), [0], torch.tensor([0]))
+    quiet = sample(sampler, random_logits(1, seed=0), [0])
     assert (quiet.logprobs, quiet.top_ids, quiet.top_logprobs) == (None, None, None)
     assert quiet.wanted == [None]
-    zero = sampler.sample(random_logits(2, seed=1), [1, 0], torch.tensor([1, 0]))
+    zero = sample(sampler, random_logits(2, seed=1), [1, 0])
     assert zero.logprobs is not None and zero.logprobs.shape == (2,)
     assert zero.top_ids is None and zero.top_logprobs is None
     assert zero.wanted == [0, None]
@@ -339,27 +348,29 @@ def test_sample_on_cuda_never_waits_on_the_host_and_matches_cpu():
     ]
     samplers = {}
     for device in ("cpu", "cuda"):
-        samplers[device] = DeviceSampler(200, device, rows=4, seed=0)
+        samplers[device] = Sampler(200, device, rows=4, seed=0)
         samplers[device].add_rows(rows, params, [[1, 2, 3]] * 4, [[EOS]] * 4)
     steps = 6
     logits = [random_logits(4, seed=s, vocab=208) for s in range(steps)]
     noise = [exp_noise(4, seed=s, vocab=200) if s % 2 else None for s in range(steps)]
+    at = Positions(torch.tensor(rows), torch.tensor(rows).cuda())
     inputs = [
-        (x.cuda(), None if n is None else n.cuda(), torch.tensor(rows).cuda())
-        for x, n in zip(logits, noise, strict=True)
+        (x.cuda(), None if n is None else n.cuda()) for x, n in zip(logits, noise, strict=True)
     ]
     torch.cuda.synchronize()
 
     on_cuda = []
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for x, n, rows_dev in inputs:
-            on_cuda.append(samplers["cuda"].sample(x, rows, rows_dev, n))
+        for x, n in inputs:
+            got = samplers["cuda"].sample(x, at, n)
+            samplers["cuda"].record(at.rows, at.rows_dev, got.tokens)
+            on_cuda.append(got)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
     for got, x, n in zip(on_cuda, logits, noise, strict=True):
-        want = samplers["cpu"].sample(x, rows, torch.tensor(rows), n)
+        want = sample(samplers["cpu"], x, rows, n)
         assert got.tokens.tolist() == want.tokens.tolist()
         assert got.logprobs is not None and want.logprobs is not None
         assert torch.allclose(got.logprobs.cpu(), want.logprobs, atol=1e-5)

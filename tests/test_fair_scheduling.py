@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import statistics
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,6 +21,7 @@ from async_engine.core.request import Request, RequestStatus
 from async_engine.core.scheduler import Scheduler, SchedulerConfig
 from blockalloc import BlockPool
 from sampler.params import SamplingParams
+from streams.plan import StepPlan, StepResult
 
 _ids = itertools.count()
 
@@ -69,12 +71,17 @@ def submit(
     return req
 
 
+def sevens(plan: StepPlan) -> StepResult:
+    """Token 7 for every sampled row of ``plan``."""
+    return StepResult(plan.step_id, np.full(int(plan.sampled.sum()), 7, np.int64))
+
+
 def step(sched: Scheduler) -> list[Request]:
     """Plan one step and apply it at once; the requests that got a token."""
     plan = sched.schedule()
     if plan is None:
         return []
-    return sched.update_from_output(plan, [7] * int(plan.sample.sum()))
+    return sched.update_from_output(plan, sevens(plan))
 
 
 def admitted_order(sched: Scheduler) -> list[str]:
@@ -151,11 +158,11 @@ def test_weights_divide_service_in_their_ratio_while_both_are_backlogged():
         submit(sched, "b", prompt=4, out=8)
     for _ in range(300):
         plan = sched.schedule()
-        lens, samples = plan.query_lens.tolist(), plan.sample.tolist()
+        lens, samples = plan.query_lens.tolist(), plan.sampled.tolist()
         for req, n, sampled in zip(plan.requests, lens, samples, strict=True):
             prompt = max(0, min(n, len(req.prompt_ids) - req.num_computed_tokens + n))
             served[req.tenant] += PROMPT_PRICE * min(prompt, n) + OUTPUT_PRICE * sampled
-        sched.update_from_output(plan, [7] * int(plan.sample.sum()))
+        sched.update_from_output(plan, sevens(plan))
     assert served["a"] / served["b"] == pytest.approx(3.0, abs=0.3)
 
 
@@ -264,7 +271,7 @@ def test_a_late_tenant_keeps_decoding_while_the_burst_ahead_of_it_is_chunked():
     step(sched)  # b's first-token step puts it in the batch behind a's first prompt
     for _ in range(5):
         plan = sched.schedule()
-        sched.update_from_output(plan, [7] * int(plan.sample.sum()))
+        sched.update_from_output(plan, sevens(plan))
         tokens = planned(plan)
         assert tokens[late.request_id] == 1  # decodes take the budget before chunks
         assert sum(tokens.values()) == 64
@@ -289,7 +296,7 @@ def test_first_token_steps_are_never_two_in_a_row_and_a_late_request_waits_one_s
         late.append((i, submit(sched, "b", prompt=4, out=1, distinct=True)))  # one every step
         plan = sched.schedule()
         kinds.append({r.tenant for r in plan.requests} == {"b"})
-        sched.update_from_output(plan, [7] * int(plan.sample.sum()))
+        sched.update_from_output(plan, sevens(plan))
         served |= {req: i for _, req in late if req.finished and req not in served}
     assert any(kinds)  # there are first-token steps, yet the burst keeps every other step
     assert not any(kinds[i] and kinds[i + 1] for i in range(len(kinds) - 1))
@@ -308,7 +315,7 @@ def test_tenants_sharing_the_batch_evenly_get_no_first_token_steps():
         plan = sched.schedule()
         assert "a" in {r.tenant for r in plan.requests}  # no step of b's own
         assert planned(plan).get(extra.request_id, 0) < sum(planned(plan).values())
-        sched.update_from_output(plan, [7] * int(plan.sample.sum()))
+        sched.update_from_output(plan, sevens(plan))
 
 
 def test_a_single_tenant_is_never_behind():
@@ -323,7 +330,7 @@ def test_a_single_tenant_is_never_behind():
         plan = sched.schedule()
         assert sum(planned(plan).values()) == 64  # the whole budget
         assert any(r.num_computed_tokens > 10 for r in plan.requests)  # its older prompts too
-        sched.update_from_output(plan, [7] * int(plan.sample.sum()))
+        sched.update_from_output(plan, sevens(plan))
 
 
 def test_a_full_batch_takes_a_tenant_behind_into_the_overflow_slots_and_no_further():
@@ -373,7 +380,7 @@ def test_the_shorter_steps_end_once_the_light_tenant_stops_sending():
     for _ in range(20):
         plan = sched.schedule()
         sizes.append(sum(planned(plan).values()))
-        sched.update_from_output(plan, [7] * int(plan.sample.sum()))
+        sched.update_from_output(plan, sevens(plan))
     # b is still behind a burst with prompts to compute...
     assert b.status is RequestStatus.RUNNING
     assert any(r.tenant == "a" and r.num_computed_tokens < 400 for r in sched.requests.values())
@@ -398,12 +405,12 @@ def service(sched: Scheduler, served: dict[str, float], weights: dict[str, float
     plan = sched.schedule()
     if plan is None:
         return
-    lens, samples = plan.query_lens.tolist(), plan.sample.tolist()
+    lens, samples = plan.query_lens.tolist(), plan.sampled.tolist()
     for req, n, sampled in zip(plan.requests, lens, samples, strict=True):
         computed = req.num_computed_tokens
         prompt = max(0, min(computed, len(req.prompt_ids)) - (computed - n))
         served[req.tenant] += (PROMPT_PRICE * prompt + OUTPUT_PRICE * sampled) / weights[req.tenant]
-    sched.update_from_output(plan, [7] * int(plan.sample.sum()))
+    sched.update_from_output(plan, sevens(plan))
 
 
 @settings(max_examples=40, deadline=None)
@@ -518,7 +525,7 @@ def trickle_ttfts(policy: str, burst: bool, cpu_rules: bool = True) -> list[floa
             now = max(now, arrivals[min(len(light), len(arrivals) - 1)])
             continue
         now += 20 + len(plan.input_ids)
-        sched.update_from_output(plan, [7] * int(plan.sample.sum()))
+        sched.update_from_output(plan, sevens(plan))
         ttfts |= {req: now - t for t, req in light if req.output_ids and req not in ttfts}
     return [ttfts[req] for _, req in light]
 

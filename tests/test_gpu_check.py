@@ -139,7 +139,7 @@ def test_a_token_mismatch_fails_the_identity_phase_and_names_where(monkeypatch, 
     top = [[[(1, -0.1), (9, -0.3)]] * 3, None, None]
 
     def generate(folder, options, prompts, params):
-        tokens = ref if options["device_runner"] == "sync" else [[1, 2, 3], [4, 5, 0], [7]]
+        tokens = ref if options is gpu_identity.REFERENCE else [[1, 2, 3], [4, 5, 0], [7]]
         return {"tokens": tokens, "top": top, "preemptions": 1, "seconds": 0.0}
 
     monkeypatch.setattr(gpu_identity, "generate", generate)

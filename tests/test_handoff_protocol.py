@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sampler.params import SamplingParams
-from streams.plan import PLACEHOLDER, NewRow, StepPlan, StepResult, bools, int32s, int64s
+from streams.plan import DRAFT, PLACEHOLDER, RESOLVE, NewRow, StepPlan, StepResult, int32s, int64s
 from streams.rows import RowState
+from streams.verify import emitted_counts, keep_emitted
 from streams.wire import decode_plan, decode_result, encode_plan, encode_result
 
 
@@ -19,7 +20,7 @@ def a_plan() -> StepPlan:
         rows=int32s([3, 0, 7]),
         starts=int32s([0, 12, 30]),
         query_lens=int32s([4, 1, 1]),
-        sample=bools([True, True, False]),
+        num_sampled=int32s([1, 1, 0]),
         input_ids=int64s([5, 6, 7, 8, PLACEHOLDER, 99]),
         new_rows=[NewRow(3, SamplingParams(seed=9), [5, 6, 7, 8], [2])],
         released_rows=int32s([1]),
@@ -36,7 +37,7 @@ def test_a_plan_survives_its_byte_frame():
         "rows",
         "starts",
         "query_lens",
-        "sample",
+        "num_sampled",
         "input_ids",
         "released_rows",
         "reset_rows",
@@ -57,6 +58,10 @@ def test_a_result_survives_its_byte_frame_with_and_without_extras():
     assert back.logprobs == [-0.5] and back.top_logprobs == [[(1, -0.5)]]
     failed = decode_result(encode_result(StepResult(5, [], error="boom")))
     assert failed.error == "boom" and len(failed.tokens) == 0
+    runs = StepResult(6, np.array([4, 5, 6, 7]), counts=int32s([3, 1]), drafted=int32s([4, 0]))
+    back = decode_result(encode_result(runs))
+    assert back.counts.tolist() == [3, 1] and back.drafted.tolist() == [4, 0]
+    assert back.emitted(2).tolist() == [3, 1] and plain.emitted(3).tolist() == [1, 1, 1]
 
 
 def test_row_state_derives_positions_kv_slots_and_tables():
@@ -66,30 +71,104 @@ def test_row_state_derives_positions_kv_slots_and_tables():
         int32s([0, 1]),
         int32s([0, 0]),
         int32s([6, 2]),
-        bools([True, True]),
+        int32s([1, 1]),
         int64s([1, 2, 3, 4, 5, 6, 7, 8]),
-        new_rows=[NewRow(0, None, [], []), NewRow(1, None, [], [])],
+        new_rows=[NewRow(0, None, [1, 2, 3, 4, 5, 6], []), NewRow(1, None, [7, 8], [])],
         new_blocks=int32s([0, 5, 1, 9, 0, 6]),
     )
     rows.apply(first)
     layout = rows.layout(first)
     assert layout.positions.tolist() == [0, 1, 2, 3, 4, 5, 0, 1]
     assert layout.kv_slots.tolist() == [20, 21, 22, 23, 24, 25, 36, 37]
-    assert layout.context_lens.tolist() == [6, 2]
-    assert layout.block_tables.tolist() == [[5, 6], [9, 0]]
-    rows.record_sampled(first, np.array([70, 80]))
+    assert layout.context_lens.tolist() == [6, 2] and layout.width == 2
+    assert rows.table(0) == [5, 6] and rows.table(1) == [9]
+    assert layout.sample_index.tolist() == [5, 7]
+    rows.record(layout, np.array([70, 80]), int32s([1, 1]))
     decode = StepPlan(
         1,
         int32s([1, 0]),
         int32s([2, 6]),
         int32s([1, 1]),
-        bools([True, True]),
+        int32s([1, 1]),
         int64s([PLACEHOLDER, PLACEHOLDER]),
     )
     rows.apply(decode)
     layout = rows.layout(decode)
-    assert rows.input_ids(decode, layout.token_rows).tolist() == [80, 70]
+    assert rows.placeholder_tokens(layout).tolist() == [80, 70]
     assert layout.positions.tolist() == [2, 6] and layout.kv_slots.tolist() == [38, 26]
+    assert rows.length.tolist()[:2] == [7, 3]
+
+
+def verifying_row() -> tuple[RowState, StepPlan]:
+    """Row 0 holds 5 tokens; the plan verifies up to 3 drafts after its last."""
+    rows = RowState(block_size=4, max_blocks_per_row=8, rows=1)
+    prompt = [1, 2, 3, 4, 5]
+    rows.apply(
+        StepPlan(
+            0, int32s([]), int32s([]), int32s([]), int32s([]), int64s([]),
+            new_rows=[NewRow(0, None, prompt, [])], new_blocks=int32s([0, 3, 0, 6]),
+        )
+    )  # fmt: skip
+    plan = StepPlan(
+        1,
+        int32s([0]),
+        int32s([RESOLVE]),
+        int32s([4]),
+        int32s([4]),
+        int64s([PLACEHOLDER, DRAFT, DRAFT, DRAFT]),
+    )
+    return rows, plan
+
+
+def test_a_resolved_start_begins_at_the_rows_last_token_and_drafts_fill_its_slots():
+    rows, plan = verifying_row()
+    layout = rows.layout(plan, lambda row, tokens, k: np.array([6, 7, 8, 9])[:k])
+    assert layout.starts.tolist() == [4] and layout.positions.tolist() == [4, 5, 6, 7]
+    assert layout.input_ids.tolist() == [PLACEHOLDER, 6, 7, 8]
+    assert layout.sample_offsets.tolist() == [0, 1, 2, 3]
+    assert layout.next_drafts.tolist() == [6, 7, 8, -1]
+    assert layout.drafted.tolist() == [3] and layout.verifying
+
+
+def test_slots_the_drafter_leaves_empty_are_dropped():
+    rows, plan = verifying_row()
+    layout = rows.layout(plan, lambda row, tokens, k: np.array([6]))
+    assert layout.query_lens.tolist() == [2] and layout.num_sampled.tolist() == [2]
+    assert layout.input_ids.tolist() == [PLACEHOLDER, 6] and layout.drafted.tolist() == [1]
+    nothing = rows.layout(plan, lambda row, tokens, k: np.array([], np.int64))
+    assert nothing.query_lens.tolist() == [1] and not nothing.verifying
+
+
+def test_the_drafter_sees_the_rows_tokens_so_far():
+    rows, plan = verifying_row()
+    seen = []
+    rows.layout(plan, lambda row, tokens, k: seen.append((row, tokens.tolist(), k)) or [])
+    assert seen == [(0, [1, 2, 3, 4, 5], 3)]
+
+
+def test_draft_slots_without_a_drafter_are_refused():
+    rows, plan = verifying_row()
+    with pytest.raises(ValueError, match="drafter"):
+        rows.layout(plan)
+
+
+def test_a_verified_run_grows_the_row_and_its_history():
+    rows, plan = verifying_row()
+    layout = rows.layout(plan, lambda row, tokens, k: np.array([6, 7, 8]))
+    rows.record(layout, np.array([6, 7, 11]), int32s([3]))
+    assert rows.length[0] == 8 and rows.history[0, :8].tolist() == [1, 2, 3, 4, 5, 6, 7, 11]
+
+
+def test_a_row_emits_its_longest_run_that_equals_the_drafts_plus_one():
+    #   row 0: 3 drafts, sampled [6, 7, 9, 4] against drafts [6, 7, 8]: 6, 7 kept, 9 replaces 8
+    #   row 1: no drafts; row 2: 2 drafts, the first wrong
+    tokens = np.array([6, 7, 9, 4, 50, 1, 2, 3])
+    drafts = np.array([6, 7, 8, -1, -1, 5, 2, -1])
+    offsets = np.array([0, 1, 2, 3, 0, 0, 1, 2])
+    runs = np.array([4, 1, 3])
+    counts = emitted_counts(tokens, drafts, offsets, runs)
+    assert counts.tolist() == [3, 1, 1]
+    assert tokens[keep_emitted(offsets, runs, counts)].tolist() == [6, 7, 9, 50, 1]
 
 
 def test_a_plan_that_reads_past_its_table_is_refused():
@@ -99,7 +178,7 @@ def test_a_plan_that_reads_past_its_table_is_refused():
         int32s([0]),
         int32s([0]),
         int32s([5]),
-        bools([True]),
+        int32s([1]),
         int64s([1] * 5),
         new_rows=[NewRow(0, None, [], [])],
         new_blocks=int32s([0, 3]),
@@ -124,7 +203,7 @@ def test_appending_blocks_in_any_order_matches_appending_one_by_one(pairs, reset
         int32s([]),
         int32s([]),
         int32s([]),
-        bools([]),
+        int32s([]),
         int64s([]),
         reset_rows=int32s(resets),
         new_blocks=int32s([x for pair in pairs for x in pair]),

@@ -1,7 +1,8 @@
-"""The pipelined (CUDA) runner, run on CPU tensors through the host stream/event shim, gives the
-synchronous ``ModelRunner``'s tokens: two steps in flight, PLACEHOLDER inputs filled from the
-device token buffer, padded decode buckets, replays on rows of their own, Triton attention
-under its interpreter, and the whole engine.
+"""The model runner, run on CPU tensors through the host stream/event shim, gives the tokens
+of a reference that recomputes every sequence from scratch (``tests/recompute_runner.py``):
+two steps in flight, PLACEHOLDER inputs filled from the device token buffer, padded decode
+buckets, replays on rows of their own, Triton attention under its interpreter, and the
+whole engine.
 
 What a GPU alone shows (real concurrency, graph capture, speed) is left to ``make gpu-check``,
 which runs the cuda-marked tests at the end. The runner's parts and its failures are checked in
@@ -30,12 +31,12 @@ from pipelined_runs import (
     walk_two_deep,
 )
 from plan_walk import PlanWalk
+from recompute_runner import RecomputeRunner
 
 from async_engine.model.loader import build_model
 from sampler.params import SamplingParams
 from streams.pipeline.runner import PipelinedRunner
 from streams.plan import PLACEHOLDER, NewRow, StepPlan, int32s, int64s
-from streams.runner import ModelRunner
 
 # Triton's interpreter must be chosen before triton is first imported (its own jitted helpers
 # are decorated then), and only for this import: see tests/test_triton_attention.py.
@@ -58,14 +59,14 @@ def tiny(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_two_steps_in_flight_give_the_synchronous_runners_tokens(tiny, seed):
+def test_two_steps_in_flight_give_the_references_tokens(tiny, seed):
     expected, got = walk_both(tiny, seed, steps=60, cuda_graphs=False)
     assert sum(len(r.tokens) for r in expected) > 50  # the walk sampled plenty
     assert_same_results(expected, got)
 
 
-def test_decode_buckets_give_the_synchronous_runners_tokens(tiny):
-    expected, got = walk_both(tiny, 3, steps=60, cuda_graphs=True)
+def test_decode_buckets_give_the_references_tokens(tiny):
+    expected, got = walk_both(tiny, 3, steps=60, cuda_graphs=True, eager_buckets=True)
     assert_same_results(expected, got)
 
 
@@ -77,7 +78,7 @@ def test_placeholder_reads_the_token_sampled_one_step_earlier_on_the_device(tiny
         int32s([0]),
         int32s([0]),
         int32s([3]),
-        np.array([True]),
+        int32s([1]),
         int64s([5, 6, 7]),
         [NewRow(0, greedy, [5, 6, 7], [])],
         new_blocks=int32s([0, 10]),
@@ -87,7 +88,7 @@ def test_placeholder_reads_the_token_sampled_one_step_earlier_on_the_device(tiny
         int32s([0]),
         int32s([3]),
         int32s([1]),
-        np.array([True]),
+        int32s([1]),
         int64s([PLACEHOLDER]),
         new_blocks=int32s([0, 11]),
     )
@@ -101,7 +102,7 @@ def test_placeholder_reads_the_token_sampled_one_step_earlier_on_the_device(tiny
         int32s([0]),
         int32s([3]),
         int32s([1]),
-        np.array([True]),
+        int32s([1]),
         int64s([int(ref_one.tokens[0])]),
         new_blocks=int32s([0, 11]),
     )
@@ -138,7 +139,7 @@ def test_step_times_are_on_the_host_monotonic_clock(tiny):
 
 
 # ------------------------------------------------------------------ Triton attention
-def test_the_triton_attention_path_gives_the_synchronous_runners_tokens(tiny, monkeypatch):
+def test_the_triton_attention_path_gives_the_references_tokens(tiny, monkeypatch):
     """The CUDA configuration's attention (device-side plans, decode buckets) under Triton's
     interpreter: prefill chunks, then decodes through the padded static buffers."""
     if interpreted_kernels is None:
@@ -153,7 +154,7 @@ def test_the_triton_attention_path_gives_the_synchronous_runners_tokens(tiny, mo
             int32s([0, 1]),
             int32s([0, 0]),
             int32s([5, 6]),
-            np.array([False, True]),
+            int32s([0, 1]),
             int64s(prompts[0][:5] + prompts[1]),
             [NewRow(r, greedy, p, []) for r, p in prompts.items()],
             new_blocks=int32s([0, 7, 1, 3]),
@@ -163,7 +164,7 @@ def test_the_triton_attention_path_gives_the_synchronous_runners_tokens(tiny, mo
             int32s([0, 1]),
             int32s([5, 6]),
             int32s([4, 1]),
-            np.array([True, True]),
+            int32s([1, 1]),
             int64s(prompts[0][5:] + [PLACEHOLDER]),
         ),
     ]
@@ -174,11 +175,11 @@ def test_the_triton_attention_path_gives_the_synchronous_runners_tokens(tiny, mo
                 int32s([0, 1]),
                 int32s([7 + step, 5 + step]),
                 int32s([1, 1]),
-                np.array([True, True]),
+                int32s([1, 1]),
                 int64s([PLACEHOLDER, PLACEHOLDER]),
             )
         )
-    reference = ModelRunner(seeded_model(tiny), 16, 16, 4)
+    reference = RecomputeRunner(seeded_model(tiny))
     runner = PipelinedRunner(seeded_model(tiny), 16, 16, 4, attention="triton", graph_max_batch=4)
     pending = [runner.launch(p) for p in plans[:2]]
     got = [runner.finish(pending.pop(0))]
@@ -192,10 +193,7 @@ def test_the_triton_attention_path_gives_the_synchronous_runners_tokens(tiny, mo
 
 
 # ------------------------------------------------------------------ through the engine
-@pytest.mark.parametrize("overlap", [True, False])
-def test_the_engine_on_the_pipelined_runner_streams_the_synchronous_runners_text(
-    tiny_model, overlap
-):
+def test_the_engine_streams_the_same_tokens_with_overlap_on_and_off(tiny_model):
     """Default tiny model (a real tokenizer): greedy, seeded sampling, logprobs, stop strings
     and structured output (the host-synchronised grammar step) through the whole engine."""
     from async_engine import LLM
@@ -211,21 +209,20 @@ def test_the_engine_on_the_pipelined_runner_streams_the_synchronous_runners_text
     ]
     prompts = ["The lighthouse keeper", "Once upon a time", "A JSON object:", "x" * 300]
     outs = {}
-    for runner in ("sync", "pipelined"):
+    for overlap in (True, False):
         with LLM(
             str(tiny_model),
             dtype="float32",
             device="cpu",
             overlap=overlap,
-            device_runner=runner,
             max_num_batched_tokens=64,
         ) as llm:
-            outs[runner] = [
+            outs[overlap] = [
                 (o.outputs[0].token_ids, o.outputs[0].logprobs)
                 for o in llm.generate(prompts, params)
             ]
-    assert [t for t, _ in outs["pipelined"]] == [t for t, _ in outs["sync"]]
-    assert all(len(t) > 0 for t, _ in outs["sync"])
+    assert [t for t, _ in outs[True]] == [t for t, _ in outs[False]]
+    assert all(len(t) > 0 for t, _ in outs[False])
 
 
 # ------------------------------------------------------------------ on a GPU (make gpu-check)
@@ -242,7 +239,7 @@ def _cuda_walk(folder: str, graphs: bool, steps: int = 40) -> list:
         cuda_graphs=graphs,
         graph_max_batch=8,
     )
-    reference = ModelRunner(seeded_model(folder), NUM_BLOCKS, 16, MAX_BLOCKS)
+    reference = RecomputeRunner(seeded_model(folder))
     walk = PlanWalk(9, 160, 16, NUM_BLOCKS, PARAMS)
     torch.cuda.set_sync_debug_mode("error")  # any host sync in a step raises
     try:

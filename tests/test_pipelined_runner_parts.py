@@ -6,7 +6,6 @@ tests/test_pipelined_runner.py.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from pipelined_runs import BLOCK, first_step_plan, make_tiny_model, pipelined_runner, seeded_model
@@ -135,7 +134,7 @@ def test_device_process_launches_the_next_step_before_reporting_one(monkeypatch)
     device = ProcessDevice(DeviceSpec(pipelined_fakes.build_late_runner, threads=0))
     try:
         plans = [
-            StepPlan(i, int32s([0]), int32s([i]), int32s([1]), np.array([True]), int64s([1]))
+            StepPlan(i, int32s([0]), int32s([i]), int32s([1]), int32s([1]), int64s([1]))
             for i in range(6)
         ]
         for plan in plans:
@@ -179,7 +178,7 @@ def test_a_bad_plan_fails_its_step_alone(tiny):
         int32s([0]),
         int32s([0]),
         int32s([9]),
-        np.array([True]),
+        int32s([1]),
         int64s(list(range(9))),
         [NewRow(0, greedy, list(range(9)), [])],
         new_blocks=int32s([0, 1]),
@@ -191,7 +190,7 @@ def test_a_bad_plan_fails_its_step_alone(tiny):
         int32s([1]),
         int32s([0]),
         int32s([2]),
-        np.array([True]),
+        int32s([1]),
         int64s([1, 2]),
         [NewRow(1, greedy, [1, 2], [])],
         new_blocks=int32s([1, 2]),
@@ -237,9 +236,7 @@ def test_a_device_process_whose_gpu_is_lost_exits_and_the_control_plane_sees_it(
 
     device = ProcessDevice(DeviceSpec(pipelined_fakes.build_lost_runner, threads=0))
     try:
-        device.launch(
-            StepPlan(0, int32s([0]), int32s([0]), int32s([1]), np.array([True]), int64s([1]))
-        )
+        device.launch(StepPlan(0, int32s([0]), int32s([0]), int32s([1]), int32s([1]), int64s([1])))
         select.select([device.completion_fd()], [], [], 10)
         with pytest.raises(DeviceError, match="device process is gone"):
             device.collect()

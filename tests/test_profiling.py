@@ -92,10 +92,10 @@ def test_device_spans_carry_batch_size_and_the_prefill_decode_mix(traced_run):
 
 
 def test_the_ring_buffer_keeps_only_the_newest_spans():
-    from streams.plan import StepPlan, bools, int32s, int64s
+    from streams.plan import StepPlan, int32s, int64s
 
     tracer = StepTracer(capacity=10, nvtx=False)
-    plan = StepPlan(0, int32s([0]), int32s([3]), int32s([1]), bools([True]), int64s([-1]))
+    plan = StepPlan(0, int32s([0]), int32s([3]), int32s([1]), int32s([1]), int64s([-1]))
     for step in range(25):
         plan.step_id = step
         tracer.on_phase("schedule", step, step, step + 0.1)

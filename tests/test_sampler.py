@@ -3,16 +3,11 @@ import math
 
 import pytest
 import torch
+from sampler_rows import SamplerRows
 
-from sampler import Sampler, SamplingParams, SlotState
-from sampler.sampler import _apply_penalties
+from sampler import Positions, Sampler, SamplingParams
 
 VOCAB = 32
-
-
-def state(prompt: list[int] | None = None, stop_ids: list[int] | None = None, **kw) -> SlotState:
-    prompt_ids = torch.tensor(prompt, dtype=torch.int64) if prompt is not None else None
-    return SlotState(SamplingParams(**kw), prompt_ids, list(stop_ids or []), [])
 
 
 def random_logits(rows: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
@@ -127,10 +122,16 @@ def test_from_dict_rejects_non_objects():
 # --- Sampler: greedy and filters ------------------------------------------------------------
 
 
+def greedy_rows(count: int, vocab: int = VOCAB) -> SamplerRows:
+    rows = SamplerRows(vocab)
+    rows.add_many(count, temperature=0.0)
+    return rows
+
+
 def test_greedy_equals_argmax():
     logits = random_logits(8)
-    out = Sampler(VOCAB).sample(logits, [state(temperature=0.0) for _ in range(8)])
-    assert out.tokens == logits.argmax(dim=-1).tolist()
+    out = greedy_rows(8).step(logits)
+    assert out.tokens.tolist() == logits.argmax(dim=-1).tolist()
 
 
 def test_greedy_takes_the_first_of_tied_maxima():
@@ -138,28 +139,29 @@ def test_greedy_takes_the_first_of_tied_maxima():
     logits[0, [4, 9]] = 2.0
     logits[1, [0, 31]] = 5.0
     logits[2, :] = 1.0
-    out = Sampler(VOCAB).sample(logits, [state(temperature=0.0) for _ in range(3)])
-    assert out.tokens == [4, 0, 0]
+    assert greedy_rows(3).step(logits).tokens.tolist() == [4, 0, 0]
 
 
 def test_padding_columns_beyond_vocab_are_ignored():
     logits = random_logits(4, VOCAB + 8)
     logits[:, VOCAB:] = 100.0
-    out = Sampler(VOCAB).sample(logits, [state(temperature=0.0) for _ in range(4)])
-    assert out.tokens == logits[:, :VOCAB].argmax(dim=-1).tolist()
+    out = greedy_rows(4).step(logits)
+    assert out.tokens.tolist() == logits[:, :VOCAB].argmax(dim=-1).tolist()
 
 
-def test_sampled_token_is_appended_to_output_ids():
-    states = [state(temperature=0.0), state(seed=3)]
-    out = Sampler(VOCAB).sample(random_logits(2), states)
-    assert [s.output_ids for s in states] == [[out.tokens[0]], [out.tokens[1]]]
+def test_a_row_samples_in_any_order_of_the_batch():
+    rows = greedy_rows(3)
+    logits = random_logits(3)
+    out = rows.step(logits[[2, 0, 1]], rows=[2, 0, 1])
+    assert out.tokens.tolist() == logits[[2, 0, 1]].argmax(dim=-1).tolist()
 
 
 def test_callers_logits_are_not_modified():
     logits = random_logits(3)
     before = logits.clone()
-    states = [state(top_k=3, top_p=0.5, min_p=0.1, repetition_penalty=1.5, prompt=[1, 2])] * 3
-    Sampler(VOCAB).sample(logits, states)
+    rows = SamplerRows(VOCAB)
+    rows.add_many(3, top_k=3, top_p=0.5, min_p=0.1, repetition_penalty=1.5, prompt=[1, 2])
+    rows.step(logits)
     assert torch.equal(logits, before)
 
 
@@ -168,83 +170,89 @@ def test_callers_logits_are_not_modified():
 )
 def test_tightest_filter_equals_greedy(kwargs):
     logits = random_logits(16, seed=1)
-    states = [state(temperature=1.5, **kwargs) for _ in range(16)]
-    out = Sampler(VOCAB, seed=0).sample(logits, states)
-    assert out.tokens == logits.argmax(dim=-1).tolist()
+    rows = SamplerRows(VOCAB, seed=0)
+    rows.add_many(16, temperature=1.5, **kwargs)
+    assert rows.step(logits).tokens.tolist() == logits.argmax(dim=-1).tolist()
 
 
 def test_mixed_greedy_and_random_rows_keep_greedy_rows_exact():
     logits = random_logits(6, seed=2)
-    states = [state(temperature=0.0 if i % 2 else 1.0) for i in range(6)]
-    out = Sampler(VOCAB, seed=0).sample(logits, states)
-    assert out.tokens[1::2] == logits[1::2].argmax(dim=-1).tolist()
+    rows = SamplerRows(VOCAB, seed=0)
+    for i in range(6):
+        rows.add(temperature=0.0 if i % 2 else 1.0)
+    out = rows.step(logits)
+    assert out.tokens.tolist()[1::2] == logits[1::2].argmax(dim=-1).tolist()
 
 
 def test_top_k_only_samples_from_the_k_best():
     logits = torch.zeros(2000, VOCAB)
     logits[:, 10:13] = 1.0  # three best tokens, the rest are close behind
-    out = Sampler(VOCAB, seed=0).sample(logits, [state(top_k=3)] * 2000)
-    assert set(out.tokens) == {10, 11, 12}
+    rows = SamplerRows(VOCAB, seed=0)
+    rows.add_many(2000, top_k=3)
+    assert set(rows.step(logits).tokens.tolist()) == {10, 11, 12}
 
 
 def test_top_p_keeps_the_smallest_prefix_reaching_p():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().expand(2000, 4).contiguous()
-    out = Sampler(4, seed=0).sample(logits, [state(top_p=0.7)] * 2000)
-    assert set(out.tokens) == {0, 1}
+    rows = SamplerRows(4, seed=0)
+    rows.add_many(2000, top_p=0.7)
+    assert set(rows.step(logits).tokens.tolist()) == {0, 1}
 
 
 # --- Penalties and min_tokens ---------------------------------------------------------------
 
 
+def penalised(rows: SamplerRows, logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` after the rows' penalties (row i of logits is row i)."""
+    out = logits.clone()
+    at = Positions.one_each(list(range(len(logits))), "cpu")
+    rows.sampler._apply_penalties(out, at.rows, at)
+    return out
+
+
 def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
-    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0]])
-    s = state(prompt=[0], repetition_penalty=2.0)
-    s.output_ids.append(1)
-    _apply_penalties(logits, [s])
-    assert logits.tolist() == [[1.0, -4.0, 2.0, -2.0]]
+    rows = SamplerRows(4)
+    rows.emitted(rows.add(prompt=[0], repetition_penalty=2.0), [1])
+    out = penalised(rows, torch.tensor([[2.0, -2.0, 2.0, -2.0]]))
+    assert out.tolist() == [[1.0, -4.0, 2.0, -2.0]]
 
 
 def test_presence_and_frequency_penalties_use_output_tokens_only():
-    logits = torch.zeros(1, 4)
-    s = state(prompt=[3, 3], presence_penalty=0.5, frequency_penalty=0.25)
-    s.output_ids.extend([0, 0, 1])
-    _apply_penalties(logits, [s])
-    assert logits.tolist() == [[-1.0, -0.75, 0.0, 0.0]]
+    rows = SamplerRows(4)
+    rows.emitted(rows.add(prompt=[3, 3], presence_penalty=0.5, frequency_penalty=0.25), [0, 0, 1])
+    assert penalised(rows, torch.zeros(1, 4)).tolist() == [[-1.0, -0.75, 0.0, 0.0]]
 
 
 def test_negative_presence_penalty_encourages_repeats():
-    logits = torch.zeros(1, 4)
-    s = state(presence_penalty=-1.0)
-    s.output_ids.append(2)
-    _apply_penalties(logits, [s])
-    assert logits.tolist() == [[0.0, 0.0, 1.0, 0.0]]
+    rows = SamplerRows(4)
+    rows.emitted(rows.add(presence_penalty=-1.0), [2])
+    assert penalised(rows, torch.zeros(1, 4)).tolist() == [[0.0, 0.0, 1.0, 0.0]]
 
 
 def test_repetition_penalty_steers_greedy_away_from_a_repeat():
-    logits = torch.tensor([[3.0, 2.0, 0.0, 0.0]])
-    out = Sampler(4).sample(logits, [state(prompt=[0], temperature=0.0, repetition_penalty=2.0)])
-    assert out.tokens == [1]
+    rows = SamplerRows(4)
+    rows.add(prompt=[0], temperature=0.0, repetition_penalty=2.0)
+    assert rows.step(torch.tensor([[3.0, 2.0, 0.0, 0.0]])).tokens.tolist() == [1]
 
 
 def test_penalties_only_touch_their_own_row():
+    rows = SamplerRows(VOCAB)
+    rows.add(temperature=0.0, repetition_penalty=5.0, prompt=list(range(VOCAB)))
+    rows.add()
     logits = random_logits(2)
-    states = [state(temperature=0.0, repetition_penalty=5.0, prompt=list(range(VOCAB))), state()]
-    before = logits.clone()
-    _apply_penalties(logits, states)
-    assert torch.equal(logits[1], before[1])
-    assert not torch.equal(logits[0], before[0])
+    out = penalised(rows, logits)
+    assert torch.equal(out[1], logits[1])
+    assert not torch.equal(out[0], logits[0])
 
 
 def test_min_tokens_bans_stop_ids_until_reached():
     eos = 5
     logits = torch.zeros(1, 8)
     logits[0, eos] = 10.0
-    s = state(stop_ids=[eos], temperature=0.0, min_tokens=2)
-    sampler = Sampler(8)
-    first = sampler.sample(logits, [s]).tokens[0]
-    second = sampler.sample(logits, [s]).tokens[0]
-    third = sampler.sample(logits, [s]).tokens[0]
+    rows = SamplerRows(8)
+    rows.add(stop_ids=[eos], temperature=0.0, min_tokens=2)
+    first, second, third = (rows.step(logits).tokens.item() for _ in range(3))
     assert first != eos and second != eos
     assert third == eos
 
@@ -258,12 +266,12 @@ def test_same_seed_gives_same_tokens_in_any_batch_and_position():
     def run(batch: int, position: int) -> list[int]:
         logits = random_logits(batch, seed=batch)
         logits[position] = row
-        states = [state() for _ in range(batch)]
-        states[position] = state(seed=1234)
-        sampler = Sampler(VOCAB)
+        rows = SamplerRows(VOCAB)
+        for i in range(batch):
+            rows.add(seed=1234 if i == position else None)
         for _ in range(10):
-            sampler.sample(logits, states)
-        return states[position].output_ids
+            rows.step(logits)
+        return rows.outputs[position]
 
     reference = run(1, 0)
     assert run(5, 3) == reference
@@ -272,31 +280,34 @@ def test_same_seed_gives_same_tokens_in_any_batch_and_position():
 
 
 def test_different_seeds_give_different_tokens():
-    logits = torch.zeros(2, 1000)
-    states = [state(seed=1), state(seed=2)]
-    sampler = Sampler(1000)
+    rows = SamplerRows(1000)
+    rows.add(seed=1)
+    rows.add(seed=2)
     for _ in range(5):
-        sampler.sample(logits, states)
-    assert states[0].output_ids != states[1].output_ids
+        rows.step(torch.zeros(2, 1000))
+    assert rows.outputs[0] != rows.outputs[1]
 
 
 def test_unseeded_sampling_from_a_peaked_distribution_picks_the_peak():
     logits = torch.zeros(4, VOCAB)
     logits[:, 9] = 50.0
-    out = Sampler(VOCAB).sample(logits, [state() for _ in range(4)])
-    assert out.tokens == [9, 9, 9, 9]
+    rows = SamplerRows(VOCAB)
+    rows.add_many(4)
+    assert rows.step(logits).tokens.tolist() == [9, 9, 9, 9]
 
 
-@pytest.mark.parametrize("seeded", [False, True], ids=["shared", "per-row-seed"])
+@pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "per-row-seed"])
 def test_sampled_frequencies_follow_probabilities(seeded):
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
     temperature = 2.0
-    rows = 4000
-    logits = (probs.log() * temperature).expand(rows, 4).contiguous()
-    states = [state(temperature=temperature, seed=i if seeded else None) for i in range(rows)]
-    out = Sampler(4, seed=0).sample(logits, states)
-    counts = torch.bincount(torch.tensor(out.tokens), minlength=4).double()
-    expected = probs.double() * rows
+    count = 4000
+    logits = (probs.log() * temperature).expand(count, 4).contiguous()
+    rows = SamplerRows(4, seed=0)
+    for i in range(count):
+        rows.add(temperature=temperature, seed=i if seeded else None)
+    out = rows.step(logits)
+    counts = torch.bincount(out.tokens, minlength=4).double()
+    expected = probs.double() * count
     chi2 = (((counts - expected) ** 2) / expected).sum().item()
     assert chi2 < 16.3  # 3 degrees of freedom, p = 0.001
 
@@ -306,36 +317,47 @@ def test_sampled_frequencies_follow_probabilities(seeded):
 
 def test_logprobs_are_raw_log_softmax_and_top_n_is_sorted():
     logits = random_logits(3)
-    states = [
-        state(logprobs=5, temperature=0.7, repetition_penalty=1.3, prompt=[0, 1]),
-        state(logprobs=0),
-        state(),
-    ]
-    out = Sampler(VOCAB, seed=0).sample(logits, states)
+    rows = SamplerRows(VOCAB, seed=0)
+    rows.add(logprobs=5, temperature=0.7, repetition_penalty=1.3, prompt=[0, 1])
+    rows.add(logprobs=0)
+    rows.add()
+    out = rows.step(logits)
     expected = logits.log_softmax(dim=-1)
-    assert out.logprobs is not None and out.top_logprobs is not None
-    for row, tok in enumerate(out.tokens):
-        assert out.logprobs[row] == pytest.approx(expected[row, tok].item(), abs=1e-6)
-    top = out.top_logprobs[0]
-    assert [t for t, _ in top] == expected[0].topk(5).indices.tolist()
-    assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
-    assert [v for _, v in top] == pytest.approx(expected[0].topk(5).values.tolist(), abs=1e-6)
-    assert out.top_logprobs[1] == [] and out.top_logprobs[2] == []
+    assert out.logprobs is not None and out.top_ids is not None
+    for row, tok in enumerate(out.tokens.tolist()):
+        assert out.logprobs[row].item() == pytest.approx(expected[row, tok].item(), abs=1e-6)
+    assert out.top_ids[0].tolist() == expected[0].topk(5).indices.tolist()
+    values = out.top_logprobs[0].tolist()
+    assert values == sorted(values, reverse=True)
+    assert values == pytest.approx(expected[0].topk(5).values.tolist(), abs=1e-6)
+    assert out.wanted == [5, 0, None]
 
 
 def test_no_logprobs_when_no_row_asks():
-    out = Sampler(VOCAB).sample(random_logits(2), [state(), state(temperature=0.0)])
-    assert out.logprobs is None and out.top_logprobs is None
+    rows = SamplerRows(VOCAB)
+    rows.add()
+    rows.add(temperature=0.0)
+    out = rows.step(random_logits(2))
+    assert out.logprobs is None and out.top_ids is None
 
 
 # --- Input checks ---------------------------------------------------------------------------
 
 
 def test_logits_narrower_than_vocab_are_rejected():
+    rows = SamplerRows(VOCAB)
+    rows.add()
     with pytest.raises(ValueError, match="vocab"):
-        Sampler(VOCAB).sample(torch.zeros(1, VOCAB - 1), [state()])
+        rows.step(torch.zeros(1, VOCAB - 1))
 
 
-def test_batch_size_must_match_states():
+def test_batch_size_must_match_the_positions():
+    rows = SamplerRows(VOCAB)
+    rows.add()
     with pytest.raises(ValueError, match="logits"):
-        Sampler(VOCAB).sample(torch.zeros(2, VOCAB), [state()])
+        rows.step(torch.zeros(2, VOCAB))
+
+
+def test_a_vocabulary_that_is_not_a_positive_int_is_refused():
+    with pytest.raises(ValueError, match="vocab_size"):
+        Sampler(0, "cpu")

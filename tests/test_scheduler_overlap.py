@@ -18,7 +18,7 @@ from async_engine.core.request import FinishReason, Request
 from async_engine.core.scheduler import Scheduler, SchedulerConfig
 from blockalloc import BlockPool
 from sampler.params import SamplingParams
-from streams.plan import StepPlan
+from streams.plan import StepPlan, StepResult
 from streams.rows import RowState
 
 BLOCK = 4
@@ -36,7 +36,7 @@ class FakeDevice:
     prompts: dict[int, tuple[str, list[int]]] = field(default_factory=dict)  # row -> request
     kv: dict[int, tuple[str, int]] = field(default_factory=dict)  # KV slot -> (rid, pos)
 
-    def run(self, plan: StepPlan, tables_at_launch: dict[int, list[int]]) -> np.ndarray:
+    def run(self, plan: StepPlan, tables_at_launch: dict[int, list[int]]) -> StepResult:
         for row in plan.released_rows.tolist():
             self.prompts.pop(row, None)
         for new in plan.new_rows:
@@ -46,7 +46,7 @@ class FakeDevice:
         for row, table in tables_at_launch.items():
             assert self.rows.table(row) == table, f"row {row}: device table differs"
         layout = self.rows.layout(plan)
-        ids = self.rows.input_ids(plan, layout.token_rows)
+        ids = self.rows.placeholder_tokens(layout)
         out, t = [], 0
         for i, row in enumerate(plan.rows.tolist()):
             rid, prompt = self.prompts[row]
@@ -57,15 +57,15 @@ class FakeDevice:
                 self.kv[int(layout.kv_slots[t + j])] = (rid, pos)
             # Every position of the context must be readable from this request's blocks.
             for pos in range(int(layout.context_lens[i])):
-                kv_slot = int(layout.block_tables[i][pos // BLOCK]) * BLOCK + pos % BLOCK
+                kv_slot = int(self.rows.tables[row, pos // BLOCK]) * BLOCK + pos % BLOCK
                 owner = self.kv.get(kv_slot)
                 assert owner is not None and owner[1] == pos, f"{rid}: KV at {pos} is {owner}"
             t += plan.query_lens[i]
-            if plan.sample[i]:
+            if plan.num_sampled[i]:
                 out.append(truth(rid, int(layout.context_lens[i]) - len(prompt)))
         tokens = np.array(out, dtype=np.int64)
-        self.rows.record_sampled(plan, tokens)
-        return tokens
+        self.rows.record(layout, tokens, np.ones(len(tokens), np.int32))
+        return StepResult(plan.step_id, tokens)
 
 
 class Params(SamplingParams):

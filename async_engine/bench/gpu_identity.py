@@ -30,8 +30,8 @@ BASE: dict[str, Any] = {
     "num_kv_blocks": 256,
     "max_model_len": 512,
 }
-REFERENCE: dict[str, Any] = {"device": "cpu", "device_runner": "sync"}
-# name -> engine options over BASE, on the device under test with the pipelined runner.
+REFERENCE: dict[str, Any] = {"device": "cpu"}
+# name -> engine options over BASE, on the device under test.
 VARIANTS: dict[str, dict[str, Any]] = {
     "overlap-on": {},
     "overlap-off": {"overlap": False},
@@ -127,7 +127,7 @@ def check_shape(shape: str, folder: Path, device: str, variants: list[str], bf16
         return False
     emit({"shape": shape, "variant": "cpu-reference", "seconds": ref["seconds"]})
     ok = True
-    under_test = {"device": device, "device_runner": "pipelined"}
+    under_test = {"device": device}
     for name in variants:
         run = attempt(folder, {**under_test, **VARIANTS[name]}, prompts, params)
         if "error" in run:

@@ -19,6 +19,7 @@ from async_engine.client.types import (
     error_from_status,
 )
 from async_engine.v1 import generation_pb2 as pb
+from async_engine.v1.fields import place
 
 _DETAIL_TYPES: tuple[type[Message], ...] = (
     error_details_pb2.BadRequest,
@@ -26,25 +27,6 @@ _DETAIL_TYPES: tuple[type[Message], ...] = (
     error_details_pb2.RetryInfo,
     error_details_pb2.ResourceInfo,
     error_details_pb2.RequestInfo,
-)
-_SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "n",
-)
-_STOP_FIELDS = (
-    "max_tokens",
-    "min_tokens",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "include_stop_str",
 )
 
 
@@ -62,7 +44,7 @@ def build_request(
     structured_output: tuple[str, str] | None = None,
     **sampling: Any,
 ) -> pb.GenerateRequest:
-    """A GenerateRequest from keyword arguments (sampling and stop fields by name).
+    """A GenerateRequest from keyword arguments (sampling, stop and output fields by name).
 
     ``structured_output``: ("json", ""), ("json_schema", schema_json), ("regex", pattern) or
     ("grammar", ebnf)."""
@@ -75,24 +57,25 @@ def build_request(
         msg.text = prompt
     elif prompt is not None:
         msg.token_ids.ids.extend(prompt)
+    msg.output.skip_detokenize = not detokenize
+    # Any field of sampling, stop or output, by its proto or engine name (async_engine.v1.fields).
     for name, value in sampling.items():
         if value is None:
             continue
-        if name in _SAMPLING_FIELDS:
-            setattr(msg.sampling, name, value)
-        elif name in ("stop", "stop_token_ids"):
-            getattr(msg.stop, name).extend([value] if isinstance(value, str) else value)
-        elif name in _STOP_FIELDS:
-            setattr(msg.stop, name, value)
-        else:
+        where = place(name)
+        if where is None or not where.part:
             raise TypeError(f"unknown generation option {name!r}")
+        part = getattr(msg, where.part)
+        if where.field.is_repeated:
+            getattr(part, where.field.name).extend([value] if isinstance(value, str) else value)
+        else:
+            setattr(part, where.field.name, value)
     if max_queue_ms is not None:
         msg.max_queue_ms = max_queue_ms
     if time_limit_ms is not None:
         msg.time_limit_ms = time_limit_ms
     if logprobs is not None:
         msg.output.logprobs = logprobs
-    msg.output.skip_detokenize = not detokenize
     if structured_output is not None:
         kind, spec = structured_output
         if kind == "json":

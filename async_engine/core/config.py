@@ -43,7 +43,6 @@ DEVICES = ("auto", "cpu", "cuda", "sim")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("none", "int8")  # async_engine/model/quantization.py
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
-DEVICE_RUNNERS = ("auto", "sync", "pipelined")
 KV_EVENT_ENCODINGS = ("map", "array")
 ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
@@ -81,11 +80,6 @@ class EngineConfig:
         "N+1), auto (after-step where the control plane's work is under 2 percent of a step, as on "
         "a CPU); stats().planning_mode says which ran last",
         PLANNINGS,
-    )
-    device_runner: str = _opt(
-        "auto",
-        "pipelined: streams, events, tokens kept on the device (auto: on CUDA)",
-        DEVICE_RUNNERS,
     )
     cuda_graphs: bool = _opt(True, "decode steps replay CUDA graphs in padded batch buckets")
     gpu_memory_utilization: float = _opt(
@@ -154,7 +148,6 @@ class EngineConfig:
             ("load_format", LOAD_FORMATS),
             ("quantization", QUANTIZATIONS),
             ("kv_cache_dtype", KV_CACHE_DTYPES),
-            ("device_runner", DEVICE_RUNNERS),
             ("scheduling_policy", POLICIES),
             ("planning", PLANNINGS),
             ("kv_events_encoding", KV_EVENT_ENCODINGS),
@@ -263,11 +256,6 @@ class EngineConfig:
 
     def resolved_device(self) -> str:
         return default_device() if self.device == "auto" else self.device
-
-    def resolved_device_runner(self) -> str:
-        if self.device_runner != "auto":
-            return self.device_runner
-        return "pipelined" if self.resolved_device() == "cuda" else "sync"
 
     def _check_kv_cache_dtype(self) -> None:
         kv = self.kv_cache_dtype

@@ -102,7 +102,6 @@ class DeviceHost:
             max_blocks_per_row,
             config.resolved_device_threads(),
             str(self.model_path) if has_tokenizer else None,
-            config.resolved_device_runner() == "pipelined",
             config.cuda_graphs,
             self._graph_max_batch(),
             config.gpu_memory_utilization,
@@ -114,8 +113,8 @@ class DeviceHost:
         return self.config.max_num_seqs + self.config.resolved_fair_overflow_seqs()
 
     def _default_num_blocks(self) -> int:
-        """0 where the pipelined GPU runner measures free memory itself."""
-        if self.kind == "cuda" and self.config.resolved_device_runner() == "pipelined":
+        """0 where the GPU runner measures free memory itself."""
+        if self.kind == "cuda":
             return 0
         mc, bs = self.model_config, self.config.block_size
         kv_dtype = self.dtype if self.config.kv_cache_dtype == "auto" else "half"

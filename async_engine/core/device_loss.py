@@ -38,13 +38,19 @@ def settle_device_loss(
                 running.remove(req)
                 policy.left_running(req)
             kv.release(req)
+            if req.row is not None:
+                ledger.rows.detach(req)
             _start_over(req)
+            ledger.rows.start_over(req)
             if was_running:
                 policy.add(req)
             again.append(req)
         else:
             finish(req, reason)
             ended.append(req)
+    for req in requests:  # ended ones hold their rows until now
+        if req.row is not None:
+            ledger.rows.detach(req)
     ledger.reset_rows()
     kv.pool.reset_prefix_cache()  # the cached KV lived on the lost device
     return ended, again
@@ -52,12 +58,9 @@ def settle_device_loss(
 
 def _start_over(req: Request) -> None:
     req.status = RequestStatus.WAITING
-    req.row = None
-    req.num_computed_tokens = req.num_inflight = req.num_cached_tokens = 0
+    req.num_cached_tokens = 0
     req.num_sent_blocks = 0
     req.table_reset = False
-    req.last_launched_step = -1
     req.output_ids, req.output_logprobs, req.output_top_logprobs = [], [], []
     req.token_times, req.first_token_time = [], None
-    req.num_tokens = len(req.prompt_ids)
     req.num_device_losses += 1

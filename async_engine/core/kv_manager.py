@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 from async_engine.core.request import Request
+from async_engine.core.row_table import RowTable
 from blockalloc import BlockPool, block_hashes
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, rows: RowTable) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.rows = rows  # the counters of requests with rows: block counts kept there too
 
     def blocks_needed(self, req: Request, n: int) -> int:
+        """Blocks ``req`` lacks for ``n`` more tokens past those computed and the draft slots
+        in flight (which may all be verified)."""
         bs = self.block_size
-        return -(-(req.num_computed_tokens + n) // bs) - len(req.block_ids)
+        end = req.num_computed_tokens + req.num_drafts_inflight + n
+        return -(-end // bs) - len(req.block_ids)
 
     def allocate_slots(self, req: Request, n: int) -> bool:
         """Grow the request's append-only block table to hold n more tokens; False: preempt."""
@@ -24,6 +29,7 @@ class KVCacheManager:
         if blocks is None:
             return False
         req.block_ids.extend(blocks)
+        self.rows.set_blocks(req)
         return True
 
     def lookup_prefix(self, req: Request) -> None:
@@ -33,7 +39,8 @@ class KVCacheManager:
         hits = self.pool.lookup(req.hash_chain[:full])
         req.block_ids = hits
         req.block_hashes = req.hash_chain[: len(hits)]
-        req.num_computed_tokens = len(hits) * self.block_size
+        self.rows.set_computed(req, len(hits) * self.block_size)
+        self.rows.set_blocks(req)
         if not req.output_ids and req.num_preemptions == 0:
             req.num_cached_tokens = req.num_computed_tokens
 
@@ -51,6 +58,7 @@ class KVCacheManager:
         for h in req.hash_chain[first:full]:
             self.pool.register(req.block_ids[len(req.block_hashes)], h)
             req.block_hashes.append(h)
+        self.rows.set_blocks(req)
         if self.pool.events is not None:  # KV events for routers: which blocks joined
             parent = req.hash_chain[first - 1] if first else None
             tokens = req.tokens_between(first * bs, full * bs)
@@ -73,6 +81,7 @@ class KVCacheManager:
         blocks = req.block_ids[::-1]
         req.block_ids = []
         req.block_hashes = []
+        self.rows.set_blocks(req)
         return blocks
 
     def free(self, blocks: list[int]) -> None:

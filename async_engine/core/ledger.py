@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from async_engine.core.kv_manager import KVCacheManager
 from async_engine.core.request import Request
+from async_engine.core.row_table import RowTable
 
 
 @dataclass(slots=True)
@@ -22,8 +23,9 @@ class PendingFree:
 
 
 class ReleaseLedger:
-    def __init__(self, kv: KVCacheManager, requests: dict[str, Request]) -> None:
+    def __init__(self, kv: KVCacheManager, requests: dict[str, Request], rows: RowTable) -> None:
         self.kv = kv
+        self.rows = rows
         self.requests = requests  # the scheduler's, by id: a retired request leaves it
         self.completed_step_id = -1
         self.pending: list[PendingFree] = []
@@ -31,11 +33,15 @@ class ReleaseLedger:
         self._num_rows = 0
         self._released_rows: list[int] = []  # sent with the next plan
 
-    def take_row(self) -> int:
+    def take_row(self, req: Request) -> int:
+        """A device row for ``req`` (its counters move into the row table with it)."""
         if self._free_rows:
-            return self._free_rows.pop()
-        self._num_rows += 1
-        return self._num_rows - 1
+            row = self._free_rows.pop()
+        else:
+            self._num_rows += 1
+            row = self._num_rows - 1
+        self.rows.attach(req, row)
+        return row
 
     def take_released_rows(self) -> list[int]:
         """Rows retired since the last plan (the next plan tells the device)."""
@@ -71,15 +77,16 @@ class ReleaseLedger:
         self.pending.append(PendingFree(req.last_launched_step, self.kv.detach(req), retire))
 
     def reset_rows(self) -> None:
-        """The device and its rows are gone: the next device's rows start from 0."""
+        """The device and its rows are gone: the next device's rows start from 0 (every
+        request has given its row back)."""
         self._free_rows, self._num_rows, self._released_rows = [], 0, []
 
     def _retire(self, req: Request) -> None:
         """A finished request whose blocks are back: its row and its id are free again."""
         req.released_time = time.monotonic()
         if req.row is not None:
-            self._released_rows.append(req.row)
-            self._free_rows.append(req.row)
-            req.row = None
+            row = self.rows.detach(req)
+            self._released_rows.append(row)
+            self._free_rows.append(row)
         if self.requests.get(req.request_id) is req:
             del self.requests[req.request_id]

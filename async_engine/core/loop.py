@@ -150,9 +150,7 @@ class StepLoop:
             )
             touched = self.scheduler.fail_step(plan)
         else:
-            touched = self.scheduler.update_from_output(
-                plan, result.tokens, result.logprobs, result.top_logprobs
-            )
+            touched = self.scheduler.update_from_output(plan, result)
         applied = time.monotonic()
         self.emitter.emit_step(touched, self.scheduler.take_ended(), applied)
         self._phase("apply", plan.step_id, start, applied)

@@ -1,14 +1,24 @@
-"""Turns the scheduler's choice for a step, (request, tokens) pairs, into a ``StepPlan``.
+"""Turns the scheduler's choice for a step into a ``StepPlan``, and moves each request as
+launched: ``num_computed_tokens`` to the end of what the step computes, a step that samples
+one more step in flight (and its draft slots), and the blocks and table resets the device
+has not seen yet go out with the plan.
 
-It advances each request as launched: ``num_computed_tokens`` moves to the end of what
-the step computes, a step that samples adds a token in flight, and the blocks and table
-resets the device has not seen yet go out with the plan.
+A step's rows come in two parts: the running decodes, chosen and planned over the row
+table's arrays all at once (``core/bulk_decodes.py``), then prompt chunks and admissions,
+planned request by request (``chosen_part``); ``build_plan`` joins them in that order.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
+
 from async_engine.core.request import Request
-from streams.plan import PLACEHOLDER, NewRow, StepPlan, bools, int32s, int64s
+from async_engine.core.row_table import RowTable
+from streams.plan import PLACEHOLDER, NewRow, StepPlan
+
+_NONE32 = np.zeros(0, np.int32)
 
 
 def new_row(req: Request) -> NewRow:
@@ -16,37 +26,41 @@ def new_row(req: Request) -> NewRow:
     return NewRow(req.row, req.params, list(req.prompt_ids), list(req.ordered_stop_ids))
 
 
-def build_plan(
-    step_id: int,
-    chosen: list[tuple[Request, int]],
-    new_rows: list[NewRow],
-    released_rows: list[int],
-) -> StepPlan:
+@dataclass(slots=True)
+class PlanPart:
+    """Some rows of a step, in batch order."""
+
+    rows: np.ndarray
+    starts: np.ndarray
+    query_lens: np.ndarray
+    num_sampled: np.ndarray
+    input_ids: np.ndarray
+    requests: list[Request]
+    resets: list[int]
+    new_blocks: list[int]  # (row, block) pairs
+    lists: tuple[list, list] | None = None  # the requests' output and token-time lists
+
+
+def chosen_part(chosen: list[tuple[Request, int]], table: RowTable, step_id: int) -> PlanPart:
+    """``n`` tokens for each (request, n) from its computed ones: prompt chunks, admissions
+    and decodes planned one by one (a step that preempts)."""
     rows: list[int] = []
     starts: list[int] = []
     query_lens: list[int] = []
-    sample: list[bool] = []
+    sampled: list[int] = []
     inputs: list[int] = []
     resets: list[int] = []
     new_blocks: list[int] = []
-    requests: list[Request] = []
-    # Bound methods held in locals: this loop runs for every request on every step.
-    add_row, add_start, add_len = rows.append, starts.append, query_lens.append
-    add_sample, add_input, add_request = sample.append, inputs.append, requests.append
     for req, n in chosen:
-        start = req.num_computed_tokens
-        known = req.num_tokens
         row = req.row
-        add_row(row)
-        add_start(start)
-        add_len(n)
-        add_request(req)
+        start, known = int(table.computed[row]), int(table.tokens[row])
+        inflight = int(table.inflight[row])
+        rows.append(row)
+        starts.append(start)
+        query_lens.append(n)
         end = start + n
-        if start >= known:  # steady decode: the token was sampled by a step in flight
-            if n == 1:
-                add_input(PLACEHOLDER)
-            else:
-                inputs += [PLACEHOLDER] * n
+        if start >= known:  # the token was sampled by a step in flight
+            inputs += [PLACEHOLDER] * n
         elif end <= known:
             inputs += req.tokens_between(start, end)
         else:
@@ -59,23 +73,50 @@ def build_plan(
             for block in req.block_ids[req.num_sent_blocks :]:
                 new_blocks += (row, block)
             req.num_sent_blocks = len(req.block_ids)
-        if end == known + req.num_inflight:
-            add_sample(True)
-            req.num_inflight += 1
-        else:
-            add_sample(False)
-        req.num_computed_tokens = end
-        req.last_launched_step = step_id
+        takes = end == known + inflight  # it reaches the row's end: the next token is sampled
+        sampled.append(int(takes))
+        table.computed[row] = end
+        table.inflight[row] = inflight + takes
+        table.launched[row] = step_id
+    return PlanPart(
+        np.array(rows, np.int64),
+        np.array(starts, np.int64),
+        np.array(query_lens, np.int64),
+        np.array(sampled, np.int64),
+        np.array(inputs, np.int64),
+        [req for req, _ in chosen],
+        resets,
+        new_blocks,
+    )
+
+
+def build_plan(
+    step_id: int, parts: list[PlanPart], new_rows: list[NewRow], released_rows: list[int]
+) -> StepPlan:
+    def joined(name: str, dtype: type) -> np.ndarray:
+        if len(parts) == 1:
+            return getattr(parts[0], name).astype(dtype, copy=False)
+        return np.concatenate([getattr(p, name) for p in parts]).astype(dtype, copy=False)
+
+    lists = None
+    if len(parts) == 1:
+        requests, lists = parts[0].requests, parts[0].lists
+        resets, new_blocks = parts[0].resets, parts[0].new_blocks
+    else:
+        requests = [r for p in parts for r in p.requests]
+        resets = [r for p in parts for r in p.resets]
+        new_blocks = [b for p in parts for b in p.new_blocks]
     return StepPlan(
         step_id=step_id,
-        rows=int32s(rows),
-        starts=int32s(starts),
-        query_lens=int32s(query_lens),
-        sample=bools(sample),
-        input_ids=int64s(inputs),
+        rows=joined("rows", np.int32),
+        starts=joined("starts", np.int32),
+        query_lens=joined("query_lens", np.int32),
+        num_sampled=joined("num_sampled", np.int32),
+        input_ids=joined("input_ids", np.int64),
         new_rows=new_rows,
-        released_rows=int32s(released_rows),
-        reset_rows=int32s(resets),
-        new_blocks=int32s(new_blocks),
+        released_rows=np.array(released_rows, np.int32) if released_rows else _NONE32,
+        reset_rows=np.array(resets, np.int32) if resets else _NONE32,
+        new_blocks=np.array(new_blocks, np.int32) if new_blocks else _NONE32,
         requests=requests,
+        lists=lists,
     )

@@ -42,10 +42,12 @@ class Preemption:
                 return True
 
     def preempt(self, req: Request) -> None:
+        if self.kv.pool.enable_prefix_cache:
+            self.kv.register_full_blocks(req)  # so that its readmission finds them
         self.running.remove(req)
         self.policy.left_running(req)
         req.status = RequestStatus.WAITING
-        req.num_computed_tokens = 0
+        self.kv.rows.set_computed(req, 0)
         req.num_preemptions += 1
         self.count += 1
         self.ledger.free_after_launch(req)

@@ -48,12 +48,14 @@ _SIMPLE = {
 class Request:
     """One sequence being generated.
 
-    ``num_computed_tokens`` counts tokens whose KV was written by a launched step, and
-    ``num_inflight`` the tokens sampled by launched steps whose outputs were not applied
-    yet; a request has ``num_tokens + num_inflight - num_computed_tokens`` tokens to feed.
-    ``num_tokens`` (prompt plus output) is kept as a counter, not recomputed, because the
-    scheduler reads it for every request on every step; the scheduler bumps it with each
-    output token it appends.
+    Its counters: ``num_tokens`` (prompt plus output applied), ``num_computed_tokens``
+    (tokens whose KV a launched step wrote, counting a row's drafts only once verified),
+    ``num_inflight`` (steps launched that will each bring at least one token, not applied
+    yet) and ``num_drafts_inflight`` (draft slots in those steps, which may bring more); a
+    request has ``num_tokens + num_inflight - num_computed_tokens`` tokens to feed. From the
+    moment it takes a device row until that row is retired they live in the scheduler's
+    ``RowTable`` (``core/row_table.py``), which plans and applies steps over all rows at
+    once; these properties read them wherever they are. Only the scheduler writes them.
     """
 
     __slots__ = (
@@ -70,10 +72,8 @@ class Request:
         "tenant",
         "arrival_seq",
         "status",
-        "num_tokens",
+        "counters",
         "token_limit",
-        "num_computed_tokens",
-        "num_inflight",
         "num_cached_tokens",
         "block_ids",
         "block_hashes",
@@ -81,7 +81,6 @@ class Request:
         "row",
         "num_sent_blocks",
         "table_reset",
-        "last_launched_step",
         "num_preemptions",
         "num_device_losses",
         "finish_reason",
@@ -128,14 +127,14 @@ class Request:
         self.tenant = tenant
         self.arrival_seq = arrival_seq
         self.status = RequestStatus.WAITING
-        self.num_tokens = len(prompt_ids)
+        # [tokens, computed, in flight, drafts in flight, last launched step] while the
+        # request holds no row; a RowTable while it does (row_table.Counters)
+        self.counters: Any = [len(prompt_ids), 0, 0, 0, -1]
         # Where the request ends for length: prompt + max_tokens, capped by the context.
         max_tokens = getattr(params, "max_tokens", None)
         self.token_limit = max_model_len
         if max_tokens is not None:
             self.token_limit = min(max_model_len, len(prompt_ids) + max_tokens)
-        self.num_computed_tokens = 0
-        self.num_inflight = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []
@@ -145,7 +144,6 @@ class Request:
         self.row: int | None = None  # its place on the device, from admission until retired
         self.num_sent_blocks = 0  # how much of block_ids the device's table already holds
         self.table_reset = False  # preempted: the device's table must start over
-        self.last_launched_step = -1
         self.num_preemptions = 0
         self.num_device_losses = 0  # devices lost while it ran (it was computed afresh)
         self.finish_reason: FinishReason | None = None
@@ -160,6 +158,26 @@ class Request:
         self.released_time: float | None = None  # its KV blocks went back to the pool
         self.queue_deadline: float | None = None  # monotonic; must be admitted before
         self.time_deadline: float | None = None  # monotonic; ends with TIME_LIMIT after
+
+    @property
+    def num_tokens(self) -> int:
+        return self.counters[0] if self.row is None else int(self.counters.tokens[self.row])
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.counters[1] if self.row is None else int(self.counters.computed[self.row])
+
+    @property
+    def num_inflight(self) -> int:
+        return self.counters[2] if self.row is None else int(self.counters.inflight[self.row])
+
+    @property
+    def num_drafts_inflight(self) -> int:
+        return self.counters[3] if self.row is None else int(self.counters.drafts[self.row])
+
+    @property
+    def last_launched_step(self) -> int:
+        return self.counters[4] if self.row is None else int(self.counters.launched[self.row])
 
     @property
     def num_prompt_tokens(self) -> int:

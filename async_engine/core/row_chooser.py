@@ -1,6 +1,6 @@
-"""How a step's rows are chosen among requests: one token for each decode, and waiting
-requests admitted in the policy's order. The scheduler (``core/scheduler.py``) calls these
-for every step it plans in full, and beside a steady run."""
+"""How a step's rows are chosen among requests one by one: one token for each decode (in a
+step short of blocks for them, which may preempt; other steps choose them over arrays,
+``core/bulk_decodes.py``), and waiting requests admitted in the policy's order."""
 
 from __future__ import annotations
 
@@ -82,20 +82,22 @@ class RowChooser:
             req = policy.next_waiting(len(running), first_tokens)
             if req is None:
                 break
+            if req.num_drafts_inflight:
+                break  # preempted with drafts in flight: how many tokens it has comes first
             if req.num_computed_tokens == 0 and not req.block_ids:
                 self.kv.lookup_prefix(req)
             pending = req.num_tokens + req.num_inflight
             n = 0 if pending >= req.token_limit else min(pending - req.num_computed_tokens, budget)
             if n == 0 or not self.kv.allocate_slots(req, n):
                 self.kv.release(req)  # give back prefix-cache hits; retry next step
-                req.num_computed_tokens = 0
+                self.kv.rows.set_computed(req, 0)
                 break
             policy.admitted(req, n)
             req.status = RequestStatus.RUNNING
             if req.scheduled_time is None:
                 req.scheduled_time = time.monotonic()
             if req.row is None:
-                req.row = self.ledger.take_row()
+                self.ledger.take_row(req)
                 new_rows.append(new_row(req))
             running.append(req)
             chosen.append((req, n))

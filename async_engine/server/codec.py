@@ -9,11 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
 from async_engine.core.chat import ROLE_ALIASES, ROLES
 from async_engine.core.group import RequestOptions
 from async_engine.core.output import RequestDelta
 from async_engine.core.request import FinishReason
 from async_engine.server.errors import RpcFailure, invalid_argument
+from async_engine.server.sampling_fields import PLACES
 from async_engine.v1 import generation_pb2 as pb
 from sampler.params import SamplingParams
 
@@ -98,7 +102,7 @@ def decode_request(msg: pb.GenerateRequest, limits: Limits) -> Submission:
         raise invalid_argument(f"n must be <= {limits.max_n}, got {n}", "sampling.n")
     _check_sizes(msg, limits)
     try:
-        params = SamplingParams(n=n, **_params_kwargs(msg))
+        params = SamplingParams(**_params_kwargs(msg))
     except ValueError as exc:
         raise invalid_argument(str(exc)) from None
     options = RequestOptions(
@@ -154,38 +158,38 @@ def _decode_prompt(
 
 
 def _params_kwargs(msg: pb.GenerateRequest) -> dict[str, Any]:
-    s, stop, out = msg.sampling, msg.stop, msg.output
+    """SamplingParams keywords of the settings the client set; the rest keep their default."""
     kwargs: dict[str, Any] = {}
-    for name in (
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-        "seed",
-    ):
-        if s.HasField(name):
-            value = getattr(s, name)
-            # float32 on the wire: 0.7 arrives as 0.699999988; 7 significant digits give back
-            # what the client wrote.
-            kwargs[name] = float(f"{value:.7g}") if isinstance(value, float) else value
-    if stop.HasField("max_tokens"):
-        kwargs["max_tokens"] = stop.max_tokens
-    kwargs["min_tokens"] = stop.min_tokens
-    kwargs["stop"] = tuple(stop.stop)
-    kwargs["stop_token_ids"] = tuple(stop.stop_token_ids)
-    kwargs["ignore_eos"] = stop.ignore_eos
-    kwargs["include_stop_str_in_output"] = stop.include_stop_str
-    if out.HasField("logprobs"):
-        kwargs["logprobs"] = out.logprobs
+    for name, where in PLACES.items():
+        if where.part:  # structured_output, a message of its own, is decoded below
+            value = _setting(getattr(msg, where.part), where.field)
+            if value is not None:
+                kwargs[name] = value
     if msg.HasField("structured_output"):
         kind = msg.structured_output.WhichOneof("kind")
         if kind is not None:
             spec = getattr(msg.structured_output, kind)
             kwargs["structured_output"] = (kind, "" if kind == "json" else spec)
     return kwargs
+
+
+def _setting(part: Message, field: FieldDescriptor) -> Any:
+    """The value of ``field`` in ``part``; None where the client set none."""
+    value = getattr(part, field.name)
+    if field.is_repeated:
+        return tuple(value) or None
+    if field.has_presence:  # `optional` in the proto
+        if not part.HasField(field.name):
+            return None
+    elif not value:
+        # A plain proto3 scalar cannot tell 0 from unset: 0 keeps the engine's default
+        # (n = 0 means 1). A setting whose 0 a client may mean is `optional` in the proto.
+        return None
+    if field.type == FieldDescriptor.TYPE_FLOAT:
+        # float32 on the wire: 0.7 arrives as 0.699999988; 7 significant digits give back
+        # what the client wrote.
+        return float(f"{value:.7g}")
+    return value
 
 
 # ------------------------------------------------------------------ responses

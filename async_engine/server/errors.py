@@ -16,26 +16,14 @@ from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from async_engine.server.sampling_fields import PLACES
+
 DOMAIN = "async-engine"
 
-# Engine / SamplingParams field name -> where that value lives in a GenerateRequest.
+# Engine field name -> where that value lives in a GenerateRequest: every SamplingParams
+# field (placed on the proto descriptor by name), and a chat's messages.
 _FIELD_PATHS = {
-    "temperature": "sampling.temperature",
-    "top_p": "sampling.top_p",
-    "top_k": "sampling.top_k",
-    "min_p": "sampling.min_p",
-    "repetition_penalty": "sampling.repetition_penalty",
-    "presence_penalty": "sampling.presence_penalty",
-    "frequency_penalty": "sampling.frequency_penalty",
-    "seed": "sampling.seed",
-    "n": "sampling.n",
-    "max_tokens": "stop.max_tokens",
-    "min_tokens": "stop.min_tokens",
-    "stop": "stop.stop",
-    "stop_token_ids": "stop.stop_token_ids",
-    "ignore_eos": "stop.ignore_eos",
-    "include_stop_str_in_output": "stop.include_stop_str",
-    "logprobs": "output.logprobs",
+    **{name: where.path for name, where in PLACES.items()},
     "messages": "chat.messages",
 }
 

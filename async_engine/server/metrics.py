@@ -284,7 +284,6 @@ class ServerMetrics:
 def kv_fragmentation(engine: AsyncEngine, block_size: int) -> float:
     """Allocated-but-empty KV slots over allocated slots, across running requests."""
     allocated = used = 0
-    engine.scheduler.sync_requests()  # a steady decode run keeps the counts in arrays
     for req in engine.scheduler.running:
         slots = len(req.block_ids) * block_size
         allocated += slots

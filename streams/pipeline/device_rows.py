@@ -1,15 +1,24 @@
-"""The row state of one pipeline: host tables (for the step's layout), device block tables, the
-device token buffer, the sampling rows and the grammar matchers of structured output."""
+"""The device's copy of the row state (``streams.rows.RowState`` is the row state): block
+tables and a token buffer as device tensors, beside the sampler's rows and the grammar
+matchers of structured output.
+
+The token buffer keeps each row's last ``TOKEN_WINDOW`` sampled tokens by position (entry
+``row * TOKEN_WINDOW + position % TOKEN_WINDOW``): a PLACEHOLDER input at position p reads
+the token sampled there, however many tokens a row took a step, and no row has that many
+positions in flight.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from sampler.device import DeviceSample, DeviceSampler
+from sampler.sampler import Positions, Sample, Sampler
 from streams.grammar import GrammarRows
 from streams.plan import StepPlan
 from streams.rows import RowState
+
+TOKEN_WINDOW = 64  # positions a row's token buffer holds: > steps in flight x tokens a step
 
 
 class DeviceRows:
@@ -27,8 +36,8 @@ class DeviceRows:
         self.host = RowState(block_size, max_blocks_per_row)
         rows = len(self.host.live)
         self.tables = torch.zeros(rows, max_blocks_per_row, dtype=torch.int64, device=device)
-        self.tokens = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.sampler = DeviceSampler(vocab_size, device, rows, seed)
+        self.tokens = torch.zeros(rows * TOKEN_WINDOW, dtype=torch.int64, device=device)
+        self.sampler = Sampler(vocab_size, device, rows, seed)
         self.grammars = GrammarRows(tokenizer_folder, vocab_size)
 
     def apply(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -61,21 +70,25 @@ class DeviceRows:
             self.tables = torch.cat(
                 [self.tables, self.tables.new_zeros(rows - have, self.tables.shape[1])]
             )
-            self.tokens = torch.cat([self.tokens, self.tokens.new_zeros(rows - have)])
+            self.tokens = torch.cat(
+                [self.tokens, self.tokens.new_zeros((rows - have) * TOKEN_WINDOW)]
+            )
 
-    def sample(
-        self, logits: torch.Tensor, sampled_rows: np.ndarray, rows_dev: torch.Tensor
-    ) -> tuple[DeviceSample, torch.Tensor]:
-        """Sample the rows (on the compute stream); a step with a constrained row waits for its
-        tokens on the host."""
-        row_list = sampled_rows.tolist()
-        if not any(r in self.grammars.matchers for r in row_list):
-            sample = self.sampler.sample(logits, sampled_rows, rows_dev)
-            return sample, sample.tokens
+    def sample(self, logits: torch.Tensor, at: Positions) -> Sample:
+        """Sample the positions (on the compute stream); a step with a constrained row waits
+        for its tokens on the host."""
+        rows = at.rows.tolist()
+        if not any(r in self.grammars.matchers for r in rows):
+            return self.sampler.sample(logits, at)
         # A constrained row: its mask needs the matcher, which needs its last token on the
         # host. Earlier steps with this row were synchronous too, so the matcher is current.
         logits = logits.clone()
-        picked = self.grammars.constrain(logits, row_list)
-        sample = self.sampler.sample(logits, sampled_rows, rows_dev)
-        self.grammars.advance(row_list, picked, sample.tokens.tolist())
-        return sample, sample.tokens
+        picked = self.grammars.constrain(logits, rows)
+        sample = self.sampler.sample(logits, at)
+        self.grammars.advance(rows, picked, sample.tokens.tolist())
+        return sample
+
+
+def token_slots(rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Where in the token buffer the token of ``rows`` at ``positions`` lives."""
+    return rows * TOKEN_WINDOW + positions % TOKEN_WINDOW

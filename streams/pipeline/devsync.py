@@ -60,6 +60,9 @@ class DeviceSync:
     """Base: the host twin. ``CudaSync`` overrides each part with its torch.cuda twin."""
 
     graph_capable = False  # whether CUDA graphs can be captured and replayed
+    # Whether work is done when issued (the host twin): a launched step's tokens are then on
+    # the host at once, and waiting for them costs nothing.
+    serial = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -89,6 +92,7 @@ class DeviceSync:
 
 class CudaSync(DeviceSync):
     graph_capable = True
+    serial = False
 
     def stream(self) -> Any:
         return torch.cuda.Stream(self.device)

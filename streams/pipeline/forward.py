@@ -10,14 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from streams.batch import ForwardBatch
 from streams.pipeline.device_rows import DeviceRows
 from streams.pipeline.devsync import DeviceSync
 from streams.pipeline.graphs import DecodeGraphs
-from streams.plan import StepPlan
+from streams.rows import StepLayout
 
 
 class StepForward:
@@ -56,18 +55,14 @@ class StepForward:
         self.graphs = graphs
 
     def __call__(
-        self,
-        plan: StepPlan,
-        dev: dict[str, torch.Tensor],
-        context_lens: np.ndarray,
-        rows: DeviceRows,
+        self, layout: StepLayout, dev: dict[str, torch.Tensor], rows: DeviceRows
     ) -> torch.Tensor:
         """The step's logits; ``dev`` holds its packed sections on the device."""
-        context_host = context_lens.tolist()
+        context_host = layout.context_lens.tolist()
         row_ids = dev["rows"]
-        decode = bool((plan.query_lens == 1).all() and plan.sample.all())
+        decode = bool((layout.query_lens == 1).all() and (layout.num_sampled == 1).all())
         graphs = self.graphs
-        if decode and graphs is not None and graphs.bucket(len(plan.rows)) is not None:
+        if decode and graphs is not None and graphs.bucket(len(layout.rows)) is not None:
             return graphs.run(
                 dev["input_ids"],
                 dev["positions"],
@@ -77,8 +72,7 @@ class StepForward:
                 rows.tables,
                 row_ids,
             )
-        width = int(rows.host.num_blocks[plan.rows].max())
-        tables = rows.tables[:, : max(width, 1)].index_select(0, row_ids)
+        tables = rows.tables[:, : max(layout.width, 1)].index_select(0, row_ids)
         attention = None
         if self.triton:
             attention = self.model.device_attention(
@@ -86,14 +80,14 @@ class StepForward:
                 dev["q_starts"],
                 dev["q_lens"],
                 dev["context_lens"],
-                int(plan.query_lens.max()),
-                len(plan.input_ids),
+                int(layout.query_lens.max()),
+                layout.num_tokens,
             )
         batch = ForwardBatch(
             input_ids=dev["input_ids"],
             positions=dev["positions"],
             slot_mapping=dev["kv_slots"],
-            query_lens=plan.query_lens.tolist(),
+            query_lens=layout.query_lens.tolist(),
             context_lens=context_host,
             block_tables=tables,
             logits_indices=dev["logits_indices"],

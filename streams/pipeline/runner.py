@@ -1,10 +1,13 @@
-"""A runner that launches step N+1 while step N runs, and never waits on the device to do so.
+"""The model runner: it launches step N+1 while step N runs, and never waits on the device to
+do so. It is the runner on every model device: CUDA through streams and events, a CPU through
+``devsync``'s serialised host twin (where a launch does the step's work at once).
 
-``launch(plan)`` applies the plan to the row state, packs the step's flat arrays into a pinned
-slot, copies them on the H2D stream and enqueues the forward and the sampler on the compute
-stream; the sampled tokens go to the host on the D2H stream. It returns a ``Pending`` at once.
-``finish(pending)`` waits for that step's copy and builds its ``StepResult``; the device
-process calls it from a completer thread, in launch order.
+``launch(plan)`` applies the plan to the row state, lays the step out (starts resolved,
+drafts filled), packs its flat arrays into a pinned slot, copies them on the H2D stream and
+enqueues the forward and the sampler on the compute stream; the sampled tokens go to the
+host on the D2H stream. It returns a ``Pending`` at once. ``finish(pending)`` waits for that
+step's copy and builds its ``StepResult``; the device process calls it from a completer
+thread, in launch order.
 
 Why it needs no host round trip between steps: step N's tokens are written to a device token
 buffer on the compute stream, and step N+1's PLACEHOLDER inputs are filled from it later on
@@ -14,29 +17,36 @@ change what step N, still running, reads. A slot (pinned input, device staging, 
 output) is reused only after the step that used it was finished, which bounds the pipeline
 to ``SLOTS`` steps in flight and makes every staging area safe to overwrite.
 
-Steps with structured-output rows are the exception: a row's mask depends on its previous
-token, so such a step waits for its own tokens on the host before it returns (only that step
-loses the overlap). Through ``devsync`` the same code runs on CPU tensors, serialised.
+Two kinds of step wait for their own tokens on the host before they return (only those lose
+the overlap): steps with structured-output rows (a row's mask depends on its last token) and
+steps that verify drafts (which tokens a row emits, and so what its next step sees, is
+decided on the host, by ``streams.verify``, the one implementation every device shares). A
+step whose rows draft first waits for every step before it: drafts are made from the rows'
+tokens, which must all be on the host.
 """
 
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from typing import Any
 
 import numpy as np
 import torch
 
+from sampler.sampler import Positions, Sample
 from streams import cuda_kernels
 from streams.device import REPLAY_STEP, DeviceError
 from streams.pipeline import devsync
 from streams.pipeline.clock import EventClock
-from streams.pipeline.device_rows import DeviceRows
+from streams.pipeline.device_rows import DeviceRows, token_slots
 from streams.pipeline.forward import StepForward
 from streams.pipeline.memory import kv_blocks_for
 from streams.pipeline.slots import Pending, Slot, fit_slot, new_slot, step_sections
 from streams.plan import StepPlan, StepResult
+from streams.rows import Propose, StepLayout
+from streams.verify import emitted_counts, keep_emitted
 
 SLOTS = 2  # steps in flight: N running while N+1 is queued behind it
 
@@ -56,6 +66,8 @@ class PipelinedRunner:
         seed: int | None = None,
         memory_share: float = 0.9,  # with num_blocks None: gpu_memory_utilization
         step_tokens: int = 512,  # the largest step, for the memory probe
+        propose: Propose | None = None,  # the drafter of rows that verify drafts
+        eager_buckets: bool = False,  # padded decode buckets without capture (tests, a CPU)
     ) -> None:
         self.model = model
         self.device = torch.device(device)
@@ -63,6 +75,7 @@ class PipelinedRunner:
         self.block_size, self.max_blocks_per_row = block_size, max_blocks_per_row
         self.vocab_size = model.cfg.vocab_size
         self.tokenizer_folder, self.seed = tokenizer_folder, seed
+        self.propose = propose
         if attention not in ("auto", "triton", "torch"):
             raise ValueError(f"attention must be auto|triton|torch, got {attention!r}")
         if attention == "auto":
@@ -80,8 +93,13 @@ class PipelinedRunner:
         self._free: queue.Queue[Slot] = queue.Queue()
         for _ in range(SLOTS):
             self._free.put(new_slot(self.sync, self.device, 1024, 64))
+        # Launched steps whose tokens the host rows have not taken yet (a GPU's, in order).
+        self._unrecorded: list[Pending] = []
+        self._recording = threading.Lock()
         self.forward = StepForward(model, self.kv_cache, attention == "triton")
-        if cuda_graphs:
+        # Padded decode buckets pay only where a graph is captured: on a CPU they would
+        # compute the padding rows for nothing (tests run them there eagerly).
+        if cuda_graphs and (self.sync.graph_capable or eager_buckets):
             self.forward.use_graphs(
                 self.sync,
                 self.compute,
@@ -96,7 +114,7 @@ class PipelinedRunner:
         self.clock.anchor(self.compute)
 
     # ------------------------------------------------------------------ steps
-    def launch(self, plan: StepPlan) -> Pending | StepResult:
+    def launch(self, plan: StepPlan, arrived_at: float | None = None) -> Pending | StepResult:
         """Enqueue a step; returns a Pending (or, for a step that failed or had nothing to
         run, its StepResult at once). Blocks only while SLOTS steps are unfinished."""
         start = time.monotonic()
@@ -120,7 +138,8 @@ class PipelinedRunner:
             return pending
         try:
             pending.copied.synchronize()
-            slot, count = pending.slot, pending.num_sampled
+            self._record_through(pending)
+            slot, count = pending.slot, pending.num_tokens
             tokens = slot.tokens[:count].numpy().copy()
             logprobs = top = None
             if pending.has_logprobs:
@@ -132,11 +151,10 @@ class PipelinedRunner:
             raise
         finally:
             self._free.put(pending.slot)
-        return StepResult(pending.step_id, tokens, logprobs, top, start, end)
-
-    def run(self, plan: StepPlan) -> StepResult:
-        """One step, synchronously (the Runner protocol)."""
-        return self.finish(self.launch(plan))
+        result = StepResult(pending.step_id, tokens, logprobs, top, start, end)
+        if pending.layout.verifying:
+            result.counts, result.drafted = pending.counts, pending.layout.drafted
+        return result
 
     def replay(self, plans: list[StepPlan]) -> StepResult:
         """The plans back to back, pipelined, on row state of their own (the roofline)."""
@@ -168,32 +186,28 @@ class PipelinedRunner:
         if self._free.qsize() == SLOTS and self.clock.anchor_due():  # idle: nothing in flight
             self.clock.anchor(self.compute)
         delta = rows.apply(plan)
+        if (plan.num_sampled > 1).any() and self._unrecorded:
+            self._record_through(self._unrecorded[-1])  # drafts read every row's tokens
+        layout = rows.host.layout(plan, self.propose)
         if not len(plan.rows):
             with self.sync.use(self.compute):
                 rows.join(plan)
             now = time.monotonic()
             return StepResult(plan.step_id, np.zeros(0, np.int64), device_start=now, device_end=now)
-        layout = rows.host.layout(plan)
-        sampled_rows = plan.rows[plan.sample].astype(np.int64)
-        sections = step_sections(plan, layout, sampled_rows, delta)
+        sections = step_sections(layout, delta, token_slots)
         slot = self._free.get()
         try:
-            return self._enqueue(plan, slot, sections, layout.context_lens, sampled_rows)
+            return self._enqueue(plan, layout, slot, sections)
         except BaseException:
             self._free.put(slot)
             raise
 
     def _enqueue(
-        self,
-        plan: StepPlan,
-        slot: Slot,
-        sections: dict[str, np.ndarray],
-        context_lens: np.ndarray,
-        sampled_rows: np.ndarray,
+        self, plan: StepPlan, layout: StepLayout, slot: Slot, sections: dict[str, np.ndarray]
     ) -> Pending:
         sync, rows = self.sync, self.rows
         total = sum(len(a) for a in sections.values())
-        slot = fit_slot(sync, self.device, slot, total, len(sampled_rows))
+        slot = fit_slot(sync, self.device, slot, total, len(layout.sample_rows))
         offsets = slot.pack(sections)
         staged = sync.event()
         with sync.use(self.h2d):
@@ -204,6 +218,7 @@ class PipelinedRunner:
             sync.event(timing=True),
             sync.event(blocking=True),
         )
+        counts = np.ones(int((layout.num_sampled > 0).sum()), np.int32)
         with sync.step_range(f"step {plan.step_id}"), sync.use(self.compute):
             self.compute.wait_event(staged)
             start.record()
@@ -212,35 +227,74 @@ class PipelinedRunner:
             rows.fit()
             if len(dev["delta_rows"]):
                 rows.tables.index_put_((dev["delta_rows"], dev["delta_cols"]), dev["delta_blocks"])
-            ids = dev["input_ids"]
-            cuda_kernels.fill_placeholders(ids, dev["token_rows"], rows.tokens)
-            logits = self.forward(plan, dev, context_lens, rows)
+            cuda_kernels.fill_placeholders(dev["input_ids"], dev["token_slots"], rows.tokens)
+            logits = self.forward(layout, dev, rows)
             keep: tuple = ()
-            has_logprobs, top, wanted = False, 0, []
-            if len(sampled_rows):
-                sample, tokens = rows.sample(logits, sampled_rows, dev["sampled_rows"])
-                cuda_kernels.scatter_tokens(rows.tokens, dev["sampled_rows"], tokens)
-                has_logprobs = sample.logprobs is not None
-                top = 0 if sample.top_ids is None else sample.top_ids.shape[1]
-                wanted = sample.wanted
+            if len(layout.sample_rows):
+                sample = rows.sample(logits, _positions(layout, dev))
+                tokens = sample.tokens
+                cuda_kernels.scatter_tokens(rows.tokens, dev["sample_slots"], tokens)
+                if layout.verifying:
+                    counts, tokens, sample = self._verify(layout, sample, dev)
+                else:
+                    rows.sampler.record(_host(layout.sample_rows), dev["sample_rows"], tokens)
                 keep = (tokens, sample.logprobs, sample.top_ids, sample.top_logprobs)
             end.record()
+        before = rows.host.grow(layout, counts)
+        n = int(counts.sum())
         with sync.use(self.d2h):
             self.d2h.wait_event(end)
-            count = len(sampled_rows)
-            if count:
-                slot.tokens[:count].copy_(keep[0], non_blocking=True)
-                if has_logprobs:
-                    slot.logprobs[:count].copy_(keep[1], non_blocking=True)
-                if top:
-                    slot.top_ids[: count * top].copy_(keep[2].reshape(-1), non_blocking=True)
-                    slot.top_values[: count * top].copy_(keep[3].reshape(-1), non_blocking=True)
+            top = _copy_out(slot, keep, n)
             copied.record()
-        return Pending(
-            plan.step_id, slot, count, top, wanted, has_logprobs, start, end, copied, keep
+        wanted = sample.wanted if keep else []
+        if layout.verifying:
+            wanted = [w for w, k in zip(wanted, _kept(layout, counts).tolist(), strict=True) if k]
+        has_logprobs = bool(keep) and keep[1] is not None
+        pending = Pending(
+            plan.step_id, slot, n, top, wanted, has_logprobs, start, end, copied, keep,
+            layout, counts, before,
+        )  # fmt: skip
+        with self._recording:
+            self._unrecorded.append(pending)
+        if sync.serial:
+            self._record_through(pending)
+        return pending
+
+    def _verify(
+        self, layout: StepLayout, sample: Sample, dev: dict[str, torch.Tensor]
+    ) -> tuple[np.ndarray, torch.Tensor, Sample]:
+        """Which sampled tokens the rows emit (on the host: the step waits for its tokens);
+        the sampler counts only those. Returns the counts and the emitted tokens and logprobs."""
+        nsampled = layout.num_sampled[layout.num_sampled > 0]
+        targets = sample.tokens.cpu().numpy()
+        counts = emitted_counts(targets, layout.next_drafts, layout.sample_offsets, nsampled)
+        kept = _kept(layout, counts)
+        index = torch.from_numpy(np.flatnonzero(kept)).to(sample.tokens.device)
+        tokens = sample.tokens.index_select(0, index)
+        self.rows.sampler.record(
+            _host(layout.sample_rows[kept]), dev["sample_rows"].index_select(0, index), tokens
         )
 
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, index)
+
+        emitted = Sample(
+            tokens, pick(sample.logprobs), pick(sample.top_ids), pick(sample.top_logprobs), []
+        )
+        return counts, tokens, emitted
+
+    def _record_through(self, pending: Pending) -> None:
+        """Take every unrecorded step up to ``pending`` into the host rows, in order (waiting
+        for their tokens): from the completer, or from a launch that drafts."""
+        with self._recording:
+            while self._unrecorded and self._unrecorded[0].step_id <= pending.step_id:
+                step = self._unrecorded.pop(0)
+                step.copied.synchronize()
+                tokens = step.slot.tokens[: step.num_tokens].numpy()
+                self.rows.host.remember(step.layout, step.before, step.counts, tokens)
+
     def _fresh_rows(self) -> DeviceRows:
+        self._unrecorded = []
         return DeviceRows(
             self.block_size,
             self.max_blocks_per_row,
@@ -249,6 +303,39 @@ class PipelinedRunner:
             self.seed,
             self.tokenizer_folder,
         )
+
+
+def _host(values: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(values, np.int64))
+
+
+def _positions(layout: StepLayout, dev: dict[str, torch.Tensor]) -> Positions:
+    at = Positions(_host(layout.sample_rows), dev["sample_rows"])
+    if layout.verifying:
+        at.offsets, at.offsets_dev = _host(layout.sample_offsets), dev["sample_offsets"]
+        if len(dev["drafts_at"]):
+            at.drafts_before = (dev["drafts_at"], dev["drafts_token"])
+    return at
+
+
+def _kept(layout: StepLayout, counts: np.ndarray) -> np.ndarray:
+    nsampled = layout.num_sampled[layout.num_sampled > 0]
+    return keep_emitted(layout.sample_offsets, nsampled, counts)
+
+
+def _copy_out(slot: Slot, keep: tuple, count: int) -> int:
+    """The emitted tokens (and logprobs) into the pinned output; the top logprobs' width."""
+    if not count:
+        return 0
+    tokens, logprobs, top_ids, top_values = keep
+    slot.tokens[:count].copy_(tokens, non_blocking=True)
+    if logprobs is not None:
+        slot.logprobs[:count].copy_(logprobs, non_blocking=True)
+    top = 0 if top_ids is None else top_ids.shape[1]
+    if top:
+        slot.top_ids[: count * top].copy_(top_ids.reshape(-1), non_blocking=True)
+        slot.top_values[: count * top].copy_(top_values.reshape(-1), non_blocking=True)
+    return top
 
 
 def _raise_if_device_lost(exc: BaseException) -> None:
@@ -271,6 +358,7 @@ def build_pipelined_runner(
     graph_max_batch: int = 80,
     memory_share: float = 0.9,
     step_tokens: int = 512,
+    propose: Propose | None = None,
 ) -> PipelinedRunner:
     """Module level, so a device process can receive it by name inside a partial."""
     return PipelinedRunner(
@@ -284,4 +372,5 @@ def build_pipelined_runner(
         graph_max_batch,
         memory_share=memory_share,
         step_tokens=step_tokens,
+        propose=propose,
     )

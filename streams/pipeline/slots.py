@@ -4,6 +4,7 @@ used it was finished, so every staging area in it is safe to overwrite."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,14 +12,13 @@ import numpy as np
 import torch
 
 from streams.pipeline.devsync import DeviceSync
-from streams.plan import StepPlan
-from streams.rows import BatchLayout
+from streams.rows import StepLayout
 
 MAX_TOP = 20  # top logprobs a row may ask for (sampler.params.MAX_LOGPROBS)
 # The flat int64 arrays of one step, packed back to back into one pinned slot.
 SECTIONS = (
     "input_ids",
-    "token_rows",
+    "token_slots",
     "positions",
     "kv_slots",
     "rows",
@@ -26,7 +26,11 @@ SECTIONS = (
     "q_starts",
     "q_lens",
     "logits_indices",
-    "sampled_rows",
+    "sample_rows",
+    "sample_slots",
+    "sample_offsets",
+    "drafts_at",
+    "drafts_token",
     "delta_rows",
     "delta_cols",
     "delta_blocks",
@@ -34,24 +38,53 @@ SECTIONS = (
 
 
 def step_sections(
-    plan: StepPlan, layout: BatchLayout, sampled_rows: np.ndarray, delta: tuple[np.ndarray, ...]
+    layout: StepLayout,
+    delta: tuple[np.ndarray, ...],
+    token_slots: Callable[[np.ndarray, np.ndarray], np.ndarray],
 ) -> dict[str, np.ndarray]:
-    """A step's flat arrays by section: the plan's, its layout's and its block-table change."""
+    """A step's flat arrays by section: its layout's and its block-table change.
+    ``token_slots(rows, positions)``: where the token buffer keeps a row's token at a position."""
+    at = layout.sample_index
+    empty = np.zeros(0, np.int64)
+    offsets, drafts_at, drafts_token = empty, empty, empty
+    if layout.verifying:
+        offsets = layout.sample_offsets
+        drafts_at, drafts_token = _drafts_before(layout)
     return {
-        "input_ids": plan.input_ids,
-        "token_rows": layout.token_rows,
+        "input_ids": layout.input_ids,
+        "token_slots": token_slots(layout.token_rows, layout.positions),
         "positions": layout.positions,
         "kv_slots": layout.kv_slots,
-        "rows": plan.rows,
+        "rows": layout.rows,
         "context_lens": layout.context_lens,
-        "q_starts": np.cumsum(plan.query_lens) - plan.query_lens,
-        "q_lens": plan.query_lens,
-        "logits_indices": (np.cumsum(plan.query_lens) - 1)[plan.sample],
-        "sampled_rows": sampled_rows,
+        "q_starts": np.cumsum(layout.query_lens) - layout.query_lens,
+        "q_lens": layout.query_lens,
+        "logits_indices": at,
+        "sample_rows": layout.sample_rows,
+        # A sampled token is the row's token at the position after its input's.
+        "sample_slots": token_slots(layout.sample_rows, layout.positions[at] + 1),
+        "sample_offsets": offsets,
+        "drafts_at": drafts_at,
+        "drafts_token": drafts_token,
         "delta_rows": delta[0],
         "delta_cols": delta[1],
         "delta_blocks": delta[2],
     }
+
+
+def _drafts_before(layout: StepLayout) -> tuple[np.ndarray, np.ndarray]:
+    """(sampled position, draft) for every draft that precedes a sampled position in its
+    row's run: penalties count it there, as decoding would have by then."""
+    pairs_at, pairs_token = [], []
+    index, ids = layout.sample_index, layout.input_ids
+    runs = layout.num_sampled[layout.num_sampled > 0].tolist()
+    firsts = np.flatnonzero(layout.sample_offsets == 0).tolist()
+    for first, n in zip(firsts, runs, strict=True):
+        for j in range(1, n):  # position first + j follows the drafts at inputs 1..j
+            for i in range(1, j + 1):
+                pairs_at.append(first + j)
+                pairs_token.append(int(ids[index[first] + i]))
+    return np.array(pairs_at, np.int64), np.array(pairs_token, np.int64)
 
 
 @dataclass(slots=True)
@@ -79,7 +112,7 @@ class Slot:
     def top_lists(
         self, count: int, top: int, wanted: list[int | None]
     ) -> list[list[tuple[int, float]]]:
-        """Each sampled row's top logprobs, trimmed to the number it asked for."""
+        """Each emitted token's top logprobs, trimmed to the number its row asked for."""
         ids = self.top_ids[: count * top].view(count, top).tolist() if top else []
         values = self.top_values[: count * top].view(count, top).tolist() if top else []
         return [
@@ -94,14 +127,17 @@ class Pending:
 
     step_id: int
     slot: Slot
-    num_sampled: int
-    top: int  # top logprobs copied per row
-    wanted: list[int | None]  # each sampled row's own logprobs setting
+    num_tokens: int  # tokens the step emits, copied out
+    top: int  # top logprobs copied per token
+    wanted: list[int | None]  # each emitted token's row's logprobs setting
     has_logprobs: bool
     start: Any  # events: compute began the step, sampling ended, tokens reached the host
     end: Any
     copied: Any
     keep: tuple  # device tensors the D2H copy reads: alive until it is done
+    layout: StepLayout
+    counts: np.ndarray  # int32: tokens each sampled row emits
+    before: np.ndarray  # int64: each sampled row's token count before the step
 
 
 def new_slot(sync: DeviceSync, device: torch.device, ints: int, sampled: int) -> Slot:

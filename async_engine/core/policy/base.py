@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from async_engine.core.request import Request, RequestStatus
@@ -50,13 +49,12 @@ class Policy:
       device was lost).
     - ``victim(running, planned)``: whom to preempt among ``running`` for blocks;
       ``planned`` already has tokens this step.
-    - ``charge_prompt(req, n)`` and ``charge_output(reqs)``: service, called only where
-      ``charges_service`` is True. ``charge_prompt``: ``n`` tokens of a running request
-      planned from ``req.num_computed_tokens``, before the plan moves it (admissions are
-      charged by ``admitted``). ``charge_output(reqs, tokens)``: each of ``reqs`` got
-      ``tokens`` tokens (-1 takes a charge back), once per step in bulk;
-      ``output_charger(reqs, tokens)``: the same as a function, for a batch that stays the
-      same for many steps.
+    - ``charge_prompt(req, n)`` and ``charge_output(tokens_by_tenant)``: service, called
+      only where ``charges_service`` is True. ``charge_prompt``: ``n`` tokens of a running
+      request planned from ``req.num_computed_tokens``, before the plan moves it
+      (admissions are charged by ``admitted``). ``charge_output``: the output tokens each
+      tenant's requests got from one step (only accepted tokens: drafts that were not
+      verified cost their tenant nothing), once per step in bulk.
 
     No hook may cost a policy that keeps no per-request state anything per request per
     step: the scheduler skips the charges where ``charges_service`` is False, and the
@@ -106,14 +104,8 @@ class Policy:
     def charge_prompt(self, req: Request, n: int) -> None:
         pass
 
-    def charge_output(self, reqs: list[Request], tokens: int = 1) -> None:
+    def charge_output(self, tokens_by_tenant: dict[str, int]) -> None:
         pass
-
-    def output_charger(self, reqs: list[Request], tokens: int = 1) -> Callable[[], None]:
-        """A function that charges each of ``reqs`` one output token, called once per step
-        while the batch stays the same (a steady decode run, ``core/steady.py``): a policy
-        may work out per batch what ``charge_output`` works out per step."""
-        return functools.partial(self.charge_output, reqs, tokens)
 
     def tenant_depths(
         self, requests: Iterable[Request], limit: int = 64

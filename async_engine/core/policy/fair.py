@@ -168,30 +168,12 @@ class FairPolicy(Policy):
             t = self.tenants[req.tenant]
             t.counter += (min(start + n, prompt) - start) * t.prompt_cost
 
-    def charge_output(self, reqs: list[Request], tokens: int = 1) -> None:
+    def charge_output(self, tokens_by_tenant: dict[str, int]) -> None:
         tenants = self.tenants
-        for req in reqs:
-            t = tenants.get(req.tenant)  # an ended tenant's idle entry may be evicted
+        for name, tokens in tokens_by_tenant.items():
+            t = tenants.get(name)  # an ended tenant's idle entry may be evicted
             if t is not None:
                 t.counter += tokens * t.output_cost
-
-    def output_charger(self, reqs: list[Request], tokens: int = 1) -> Callable[[], None]:
-        """Per tenant of the batch, its requests' output cost, added once per step. (The
-        batch's tenants run throughout, so none of their entries is evicted meanwhile.)"""
-        per_tenant: dict[str, int] = {}
-        for req in reqs:
-            per_tenant[req.tenant] = per_tenant.get(req.tenant, 0) + 1
-        charges = [
-            (t, tokens * count * t.output_cost)
-            for name, count in per_tenant.items()
-            if (t := self.tenants.get(name)) is not None
-        ]
-
-        def charge() -> None:
-            for tenant, cost in charges:
-                tenant.counter += cost
-
-        return charge
 
     # ------------------------------------------------------------ step shape
     def step_shape(

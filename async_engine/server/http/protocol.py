@@ -15,25 +15,10 @@ from async_engine.core.request import FinishReason
 from async_engine.server.codec import Limits
 from async_engine.server.http.errors import bad_request
 from async_engine.server.http.tools import ToolSpec, tool_spec
-from sampler.params import MAX_LOGPROBS, SamplingParams
+from sampler.params import FIELDS, MAX_LOGPROBS, SamplingParams
 
 DEFAULT_LIMITS = Limits()
 JSON_OBJECT = json.dumps({"type": "object", "additionalProperties": True})
-
-# OpenAI field -> SamplingParams field, for the numbers both APIs share.
-_SAMPLING = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "seed": "seed",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "repetition_penalty": "repetition_penalty",
-    "n": "n",
-    "min_tokens": "min_tokens",
-    "ignore_eos": "ignore_eos",
-}
 
 
 @dataclass(slots=True)
@@ -130,31 +115,42 @@ def _params(
     structured: tuple[str, str] | None,
     limits: Limits,
 ) -> SamplingParams:
+    # The fields HTTP parses itself (per endpoint, or bounded by the server's limits) ...
     values: dict[str, Any] = {
         "max_tokens": max_tokens,
         "stop": _stop(body, limits),
         "logprobs": logprobs,
         "structured_output": structured,
     }
-    for name, field in _SAMPLING.items():
-        if body.get(name) is not None:
-            values[field] = body[name]
-    n = values.get("n", 1)
+    n = body.get("n")
     if isinstance(n, int) and not isinstance(n, bool) and n > limits.max_n:
         raise bad_request(f"n must be at most {limits.max_n}, got {n}", "n")
-    stop_ids = body.get("stop_token_ids")  # vLLM's extension
-    if stop_ids is not None:
-        if not isinstance(stop_ids, list):
-            raise bad_request("stop_token_ids must be a list of token ids", "stop_token_ids")
-        if len(stop_ids) > limits.max_stop_token_ids:
-            raise bad_request(
-                f"stop_token_ids has more than {limits.max_stop_token_ids} ids", "stop_token_ids"
-            )
-        values["stop_token_ids"] = tuple(stop_ids)
+    values["stop_token_ids"] = _stop_token_ids(body, limits)
+    # ... and every other one it offers, as given (SamplingParams checks it and names it).
+    as_given = {s.name: s.http for s in FIELDS if s.http is not None and s.name not in values}
+    for name, key in as_given.items():
+        if body.get(key) is not None:
+            values[name] = body[key]
     try:
         return SamplingParams(**values)
     except (TypeError, ValueError) as exc:
-        raise bad_request(str(exc)) from None
+        err = bad_request(str(exc))
+        # The error names the engine's field; a field HTTP spells otherwise, by its key.
+        err.param = as_given.get(err.param or "", err.param)
+        raise err from None
+
+
+def _stop_token_ids(body: dict[str, Any], limits: Limits) -> tuple[int, ...]:
+    stop_ids = body.get("stop_token_ids")  # vLLM's extension
+    if stop_ids is None:
+        return ()
+    if not isinstance(stop_ids, list):
+        raise bad_request("stop_token_ids must be a list of token ids", "stop_token_ids")
+    if len(stop_ids) > limits.max_stop_token_ids:
+        raise bad_request(
+            f"stop_token_ids has more than {limits.max_stop_token_ids} ids", "stop_token_ids"
+        )
+    return tuple(stop_ids)
 
 
 def _refuse_unbuilt(body: dict[str, Any]) -> None:
