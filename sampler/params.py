@@ -114,6 +114,11 @@ class SamplingParams:
     skip_special_tokens: bool = param(
         True, "leave special tokens out of the text", http=None, grpc=False
     )
+    speculate: bool = param(
+        True,
+        "where the engine speculates, draft and verify tokens for this request; false: one "
+        "token a step (latency-insensitive batch work leaves the device's time to others)",
+    )
     # HTTP also takes it as guided_regex, guided_grammar or tools (http/protocol.py).
     structured_output: tuple[str, str] | None = param(
         None, "constrain the output: (kind, spec), see STRUCTURED_KINDS", http="response_format"

@@ -7,9 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 from streams.device import Device, DeviceSpec
+from streams.drafting.base import Drafter
 from streams.pipeline.runner import build_pipelined_runner
 from streams.process_device import ProcessDevice
-from streams.rows import Propose
 from streams.sim import CostModel
 from streams.sim_runner import build_sim_runner
 
@@ -28,11 +28,12 @@ def model_spec(
     graph_max_batch: int = 80,
     memory_share: float = 0.9,
     step_tokens: int = 512,
-    propose: Propose | None = None,
+    drafter: Callable[[], Drafter] | None = None,
 ) -> DeviceSpec:
     """A device that runs the model: on the CPU with ``threads`` torch threads, or on CUDA,
     through the one model runner (``streams.pipeline.runner``). ``tokenizer_folder`` lets it
-    compile grammars for structured output; ``propose`` drafts for rows that verify drafts."""
+    compile grammars for structured output; ``drafter`` builds (in the device process) the
+    drafter of rows that verify drafts."""
     if kind not in ("cpu", "cuda"):
         raise ValueError(f"a model device is cpu or cuda, got {kind!r}")
     if num_blocks is None and kind != "cuda":
@@ -49,7 +50,7 @@ def model_spec(
         graph_max_batch,
         memory_share,
         step_tokens,
-        propose,
+        drafter,
     )
     return DeviceSpec(factory, threads if kind == "cpu" else 1)
 
@@ -60,11 +61,20 @@ def sim_spec(
     eos_ids: tuple[int, ...],
     block_size: int,
     max_blocks_per_row: int,
-    propose: Propose | None = None,
+    drafter: Callable[[], Drafter] | None = None,
+    repeat: float = 0.0,
 ) -> DeviceSpec:
-    """The simulated device: no torch, no weights, a modelled step time."""
+    """The simulated device: no torch, no weights, a modelled step time; ``repeat``: the
+    share of positions whose token repeats earlier text (``streams.sim_text``)."""
     factory = functools.partial(
-        build_sim_runner, cost, vocab_size, eos_ids, block_size, max_blocks_per_row, propose
+        build_sim_runner,
+        cost,
+        vocab_size,
+        eos_ids,
+        block_size,
+        max_blocks_per_row,
+        drafter,
+        repeat,
     )
     return DeviceSpec(factory, threads=0)
 

@@ -11,15 +11,12 @@ microseconds, not a Python loop per token.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from streams.drafting.base import Drafter
 from streams.plan import DRAFT, PLACEHOLDER, RESOLVE, StepPlan
-
-# Proposes up to k tokens to follow a row's tokens: (row, its tokens so far, k) -> tokens.
-Propose = Callable[[int, np.ndarray, int], np.ndarray]
 
 
 @dataclass(slots=True)
@@ -80,10 +77,16 @@ class RowState:
         self.history = np.zeros((rows, 256), dtype=np.int32)  # those tokens
 
     # ------------------------------------------------------------- plan changes
-    def apply(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Bring the row state up to the plan: releases, joins, resets, appended blocks.
-        Returns the table entries written, as (rows, columns, blocks), for a device copy."""
+    def apply(
+        self, plan: StepPlan, drafter: Drafter | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Bring the row state up to the plan: releases (their tokens go to ``drafter``),
+        joins, resets, appended blocks. Returns the table entries written, as (rows,
+        columns, blocks), for a device copy."""
         if len(plan.released_rows):
+            if drafter is not None:
+                for row in plan.released_rows.tolist():
+                    drafter.release(row, self.history[row, : self.length[row]].copy())
             self.live[plan.released_rows] = False
             self.num_blocks[plan.released_rows] = 0
         for new in plan.new_rows:
@@ -118,7 +121,7 @@ class RowState:
         return rows, columns, blocks
 
     # ------------------------------------------------------------------- layout
-    def layout(self, plan: StepPlan, propose: Propose | None = None) -> StepLayout:
+    def layout(self, plan: StepPlan, drafter: Drafter | None = None) -> StepLayout:
         """The step's layout. RESOLVE starts read the rows' token counts, so every step
         before that sampled for such a row must have been recorded."""
         rows = plan.rows.astype(np.int64)
@@ -134,7 +137,7 @@ class RowState:
         slots = np.maximum(nsampled - 1, 0)  # DRAFT slots: the row's last inputs
         if slots.any():
             ids, qlens, nsampled, drafted = self._fill_drafts(
-                rows, starts, qlens, nsampled, ids, slots, propose
+                rows, starts, qlens, nsampled, ids, slots, drafter
             )
         else:
             drafted = np.zeros(int((nsampled > 0).sum()), np.int32)
@@ -207,31 +210,36 @@ class RowState:
         nsampled: np.ndarray,
         ids: np.ndarray,
         slots: np.ndarray,
-        propose: Propose | None,
+        drafter: Drafter | None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """DRAFT slots filled with the drafter's tokens; slots it leaves empty are dropped."""
-        if propose is None:
+        if drafter is None:
             raise ValueError("a plan has DRAFT slots but the device has no drafter")
         ends = np.cumsum(qlens)
-        pieces, filled = [], slots.copy()
-        at = 0
-        for i in np.flatnonzero(slots).tolist():
+        verifying = np.flatnonzero(slots).tolist()
+        for i in verifying:
             k, end, row = int(slots[i]), int(ends[i]), int(rows[i])
-            if (ids[end - k : end] != DRAFT).any() or (ids[at : end - k] == DRAFT).any():
+            if (ids[end - k : end] != DRAFT).any():
                 raise ValueError("a row's DRAFT slots must be its last inputs")
-            if ids[end - k - 1] != PLACEHOLDER or starts[i] + qlens[i] - k != self.length[row]:
+            if starts[i] + qlens[i] - k != self.length[row]:
                 raise ValueError("a row verifying drafts must start from its last token")
-            drafts = np.asarray(propose(row, self.history[row, : self.length[row]], k), np.int64)
-            drafts = drafts[:k]
+        if int((ids == DRAFT).sum()) != int(slots.sum()):
+            raise ValueError("a row's DRAFT slots must be its last inputs")
+        drafted = drafter.propose(
+            [int(rows[i]) for i in verifying],
+            [self.history[rows[i], : self.length[rows[i]]] for i in verifying],
+            [int(slots[i]) for i in verifying],
+        )
+        pieces, filled, at = [], slots.copy(), 0
+        for i, drafts in zip(verifying, drafted, strict=True):
+            k, end = int(slots[i]), int(ends[i])
+            drafts = np.asarray(drafts, np.int64)[:k]
             pieces += [ids[at : end - k], drafts]
             filled[i] = len(drafts)
             at = end
         pieces.append(ids[at:])
-        if (ids[at:] == DRAFT).any():
-            raise ValueError("a row's DRAFT slots must be its last inputs")
         cut = slots - filled
-        sampled_rows = nsampled > 0
-        return np.concatenate(pieces), qlens - cut, nsampled - cut, filled[sampled_rows]
+        return np.concatenate(pieces), qlens - cut, nsampled - cut, filled[nsampled > 0]
 
     # --------------------------------------------------------------- results
     def placeholder_tokens(self, layout: StepLayout) -> np.ndarray:

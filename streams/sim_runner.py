@@ -9,14 +9,17 @@ is exactly the modelled time.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from streams.device import REPLAY_STEP
+from streams.drafting.base import Drafter
 from streams.plan import StepPlan, StepResult
-from streams.rows import Propose, RowState, StepLayout
+from streams.rows import RowState, StepLayout
 from streams.sim import CostModel, PreciseClock, request_seed, sim_tokens
+from streams.sim_text import RepeatingText
 from streams.verify import emitted_counts, keep_emitted
 
 
@@ -36,14 +39,16 @@ class SimRunner:
         eos_ids: tuple[int, ...],
         block_size: int,
         max_blocks_per_row: int,
-        propose: Propose | None = None,
+        drafter: Drafter | None = None,
+        repeat: float = 0.0,  # share of positions whose token repeats earlier text
     ) -> None:
         self.cost = cost
         self.vocab_size = vocab_size
         self.avoid = np.array(sorted(set(eos_ids)), dtype=np.int64)
         self.block_size = block_size
         self.max_blocks_per_row = max_blocks_per_row
-        self.propose = propose
+        self.drafter = drafter
+        self.text = RepeatingText(repeat, vocab_size, self.avoid) if repeat > 0 else None
         self.clock = PreciseClock()
         self.info: dict = {}
         self._busy_until = 0.0  # when the last step's modelled time ends
@@ -97,22 +102,27 @@ class SimRunner:
 
     def _run(self, plan: StepPlan) -> tuple[StepLayout, np.ndarray, np.ndarray]:
         rows = self.rows
-        rows.apply(plan)
+        if self.text is not None:
+            for row in plan.released_rows.tolist():
+                self.text.finished(row)
+        rows.apply(plan, self.drafter)
         if len(self.seeds) < len(rows.live):
             self.seeds = np.resize(self.seeds, len(rows.live))
         for new in plan.new_rows:
             self.seeds[new.row] = request_seed(new.params)
-        layout = rows.layout(plan, self.propose)
+        layout = rows.layout(plan, self.drafter)
         at = layout.sample_index
         if not len(at):
             empty = np.zeros(0, np.int64)
             return layout, empty, empty.astype(np.int32)
-        # Only the sampled inputs matter here: the oracle's token follows the input there.
-        ids = rows.placeholder_tokens(layout)
         sampled_rows = layout.sample_rows
-        targets = sim_tokens(
-            ids[at], layout.positions[at], self.seeds[sampled_rows], self.vocab_size, self.avoid
-        )
+        if self.text is None:
+            # Only the sampled inputs matter here: the oracle's token follows the input there.
+            ids = rows.placeholder_tokens(layout)
+            seeds = self.seeds[sampled_rows]
+            targets = sim_tokens(ids[at], layout.positions[at], seeds, self.vocab_size, self.avoid)
+        else:
+            targets = self._repeating(layout)
         nsampled = layout.num_sampled[layout.num_sampled > 0]
         if layout.verifying:
             counts = emitted_counts(targets, layout.next_drafts, layout.sample_offsets, nsampled)
@@ -122,6 +132,18 @@ class SimRunner:
         rows.record(layout, tokens, counts)
         return layout, tokens, counts
 
+    def _repeating(self, layout: StepLayout) -> np.ndarray:
+        """Each sampled position's token from the text that repeats itself: its context is
+        the row's tokens and, for a verified position, the drafts before it."""
+        rows, history, length = layout.sample_rows, self.rows.history, self.rows.length
+        index, ids = layout.sample_index, layout.input_ids
+        drafts = [
+            ids[index[s] - offset + 1 : index[s] + 1].tolist()
+            for s, offset in enumerate(layout.sample_offsets.tolist())
+        ]
+        histories = [history[row, : length[row]] for row in rows.tolist()]
+        return self.text.tokens(rows, histories, drafts, self.seeds[rows])
+
 
 def build_sim_runner(
     cost: CostModel,
@@ -129,7 +151,10 @@ def build_sim_runner(
     eos_ids: tuple[int, ...],
     block_size: int,
     max_blocks_per_row: int,
-    propose: Propose | None = None,
+    drafter: Callable[[], Drafter] | None = None,
+    repeat: float = 0.0,
 ) -> SimRunner:
-    """Module level, so a device process can receive it by name inside a partial."""
-    return SimRunner(cost, vocab_size, eos_ids, block_size, max_blocks_per_row, propose)
+    """Module level, so a device process can receive it by name inside a partial (with the
+    drafter's factory: the drafter is built in the device process)."""
+    made = None if drafter is None else drafter()
+    return SimRunner(cost, vocab_size, eos_ids, block_size, max_blocks_per_row, made, repeat)

@@ -26,6 +26,7 @@ PARAMS = [
     SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=None),
     SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=None, logprobs=0),
     SamplingParams(temperature=0, presence_penalty=0.5, repetition_penalty=1.3, max_tokens=None),
+    SamplingParams(temperature=0.7, frequency_penalty=0.8, seed=3, max_tokens=None),
 ]
 
 
@@ -48,25 +49,79 @@ def pipelined_runner(folder: str, **options) -> PipelinedRunner:
     return PipelinedRunner(seeded_model(folder), NUM_BLOCKS, BLOCK, MAX_BLOCKS, **options)
 
 
-def walk_both(folder: str, seed: int, steps: int, **options) -> tuple[list, list]:
-    walk = PlanWalk(seed, 160, BLOCK, NUM_BLOCKS, PARAMS)
-    return walk_two_deep(walk, reference_runner(folder), pipelined_runner(folder, **options), steps)
+class LookaheadDrafter:
+    """Drafts the tokens the reference is about to sample (its own future, one at a time:
+    greedy, seeded and penalised rows alike), with one draft of every third proposal made
+    wrong: runs of every length are verified, accepted in full and cut short."""
+
+    def __init__(self, reference: RecomputeRunner) -> None:
+        self.reference = reference
+        self.calls = 0
+
+    def propose(self, rows: list[int], tokens: list, ks: list[int]) -> list[np.ndarray]:
+        return [self.one(row, k) for row, k in zip(rows, ks, strict=True)]
+
+    def release(self, row: int, tokens: np.ndarray) -> None:
+        pass
+
+    def one(self, row: int, k: int) -> np.ndarray:
+        self.calls += 1
+        drafts = np.array(self.reference.lookahead(row, k), np.int64)
+        if self.calls % 3 == 0:
+            wrong = self.calls % k
+            drafts[wrong] = (drafts[wrong] + 1) % 160
+        return drafts
+
+
+class Recorded:
+    """A drafter's proposals, recorded as one runner asks, replayed in order to another."""
+
+    def __init__(self, drafter) -> None:
+        self.drafter, self.proposals = drafter, []
+
+    def propose(self, rows: list[int], tokens: list, ks: list[int]) -> list[np.ndarray]:
+        self.proposals += self.drafter.propose(rows, tokens, ks)
+        return self.proposals[-len(rows) :] if rows else []
+
+    def release(self, row: int, tokens: np.ndarray) -> None:
+        pass
+
+    def replay(self):
+        proposals = iter(self.proposals)
+        return lambda row, tokens, k: next(proposals)
+
+
+def walk_both(
+    folder: str, seed: int, steps: int, max_drafts: int = 0, params=PARAMS, **options
+) -> tuple[list, list]:
+    walk = PlanWalk(seed, 160, BLOCK, NUM_BLOCKS, params, max_drafts)
+    reference = reference_runner(folder)
+    drafter = LookaheadDrafter(reference) if max_drafts else None
+    runner = pipelined_runner(folder, drafter=drafter, **options)
+    return walk_two_deep(walk, reference, runner, steps, drafter)
 
 
 def walk_two_deep(
-    walk: PlanWalk, reference: RecomputeRunner, runner: PipelinedRunner, steps: int
+    walk: PlanWalk,
+    reference: RecomputeRunner,
+    runner: PipelinedRunner,
+    steps: int,
+    drafter=None,
 ) -> tuple[list, list]:
-    """Drive the reference synchronously and the pipelined runner two steps deep."""
+    """Drive the reference synchronously and the runner two steps deep (``drafter``: the one
+    both use, the runner first, so each proposal is made once and replayed)."""
     expected, got, in_flight = [], [], []
     for _ in range(steps):
         plan = walk.plan()
-        result = reference.run(plan)
-        assert result.error is None, result.error
-        walk.record(plan, np.asarray(result.tokens))
-        expected.append(result)
         if len(in_flight) == SLOTS:
             got.append(runner.finish(in_flight.pop(0)))
+        recorded = Recorded(drafter) if drafter is not None else None
+        runner.drafter = recorded
         in_flight.append(runner.launch(plan))
+        result = reference.run(plan, recorded.replay() if recorded else None)
+        assert result.error is None, result.error
+        walk.record(plan, result)
+        expected.append(result)
     got += [runner.finish(p) for p in in_flight]
     return expected, got
 

@@ -1,7 +1,7 @@
 """Random but valid plan sequences for runner tests: requests join, prefill in chunks, decode
-with PLACEHOLDER inputs, are preempted (their block table starts over) and leave, and rows and
-blocks are reused. A synchronous reference runner supplies the tokens, as the control plane's
-results would."""
+with PLACEHOLDER inputs, verify drafts (with ``max_drafts``: DRAFT slots, some starting at
+RESOLVE), are preempted (their block table starts over) and leave, and rows and blocks are
+reused. A reference runner supplies the tokens, as the control plane's results would."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sampler.params import SamplingParams
-from streams.plan import PLACEHOLDER, NewRow, StepPlan, int32s, int64s
+from streams.plan import DRAFT, PLACEHOLDER, RESOLVE, NewRow, StepPlan, StepResult, int32s, int64s
 
 
 @dataclass(slots=True)
@@ -26,7 +26,13 @@ class WalkRequest:
 
 class PlanWalk:
     def __init__(
-        self, seed: int, vocab: int, block_size: int, num_blocks: int, params: list[SamplingParams]
+        self,
+        seed: int,
+        vocab: int,
+        block_size: int,
+        num_blocks: int,
+        params: list[SamplingParams],
+        max_drafts: int = 0,
     ) -> None:
         self.rng = random.Random(seed)
         self.vocab, self.block_size = vocab, block_size
@@ -34,6 +40,7 @@ class PlanWalk:
         self.free_rows: list[int] = []
         self.next_row = 0
         self.params = params
+        self.max_drafts = max_drafts
         self.running: list[WalkRequest] = []
         self.step_id = 0
         self._released: list[int] = []
@@ -54,11 +61,14 @@ class PlanWalk:
             req = WalkRequest(row, prompt, rng.choice(self.params))
             self.running.append(req)
             new_rows.append(NewRow(row, req.params, list(prompt), []))
-        rows, starts, lens, sample, ids = [], [], [], [], []
+        rows, starts, lens, sampled, ids = [], [], [], [], []
         for req in list(self.running):
             left = len(req.tokens) - req.computed
             count = left if left == 1 else rng.randint(1, min(left, 24))
-            needed = -(-(req.computed + count) // self.block_size) - len(req.blocks)
+            drafts = 0
+            if left == 1 and self.max_drafts and rng.random() < 0.6:
+                drafts = rng.randint(1, self.max_drafts)
+            needed = -(-(req.computed + count + drafts) // self.block_size) - len(req.blocks)
             if needed > len(self.free_blocks):
                 continue  # waits for blocks this step
             for _ in range(needed):
@@ -68,11 +78,14 @@ class PlanWalk:
             chunk = req.tokens[req.computed : req.computed + count]
             if req.carried and req.computed + count == len(req.tokens) and rng.random() < 0.8:
                 chunk[-1] = PLACEHOLDER
+            # A verifying row's start may come from the device's own count of its tokens.
+            start = RESOLVE if drafts and rng.random() < 0.5 else req.computed
             rows.append(req.row)
-            starts.append(req.computed)
-            lens.append(count)
-            sample.append(int(req.computed + count == len(req.tokens)))
-            ids += chunk
+            starts.append(start)
+            lens.append(count + drafts)
+            samples = req.computed + count == len(req.tokens)
+            sampled.append(int(samples) + drafts)
+            ids += chunk + [DRAFT] * drafts
             req.computed += count
         released, self._released = self._released, []
         plan = StepPlan(
@@ -80,7 +93,7 @@ class PlanWalk:
             int32s(rows),
             int32s(starts),
             int32s(lens),
-            int32s(sample),
+            int32s(sampled),
             int64s(ids),
             new_rows,
             int32s(released),
@@ -90,14 +103,21 @@ class PlanWalk:
         self.step_id += 1
         return plan
 
-    def record(self, plan: StepPlan, tokens: np.ndarray) -> None:
-        """The reference's tokens for ``plan``: sampled rows grow by one token."""
+    def record(self, plan: StepPlan, result: StepResult) -> None:
+        """The reference's result for ``plan``: sampled rows grow by what they emitted, and a
+        row that verified drafts has their KV for the ones it kept."""
         by_row = {r.row: r for r in self.running}
-        for row, token in zip(plan.rows[plan.sampled].tolist(), tokens.tolist(), strict=True):
+        rows = plan.rows[plan.sampled].tolist()
+        counts = result.emitted(len(rows)).tolist()
+        tokens = np.asarray(result.tokens).tolist()
+        at = 0
+        for row, count in zip(rows, counts, strict=True):
             req = by_row.get(row)
             if req is not None:
-                req.tokens.append(int(token))
+                req.tokens += [int(t) for t in tokens[at : at + count]]
+                req.computed += count - 1
                 req.carried = True
+            at += count
         for req in list(self.running):
             if len(req.tokens) > 120:  # long enough: leave before the table outgrows it
                 self.running.remove(req)

@@ -6,13 +6,14 @@ are all its own, or absent."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from reference_sampler import Sampler, SlotState
 
 from streams.batch import ForwardBatch
 from streams.plan import DRAFT, PLACEHOLDER, RESOLVE, StepPlan, StepResult
-from streams.rows import Propose
 
 
 class RecomputeRunner:
@@ -25,7 +26,7 @@ class RecomputeRunner:
         self.tokens: dict[int, list[int]] = {}  # row -> prompt + sampled
         self.states: dict[int, SlotState] = {}
 
-    def run(self, plan: StepPlan, propose: Propose | None = None) -> StepResult:
+    def run(self, plan: StepPlan, propose: Callable | None = None) -> StepResult:
         """The plan's tokens. ``propose`` drafts for DRAFT slots, as the runner's drafter
         does; a verifying row emits each token one-at-a-time decoding gives while they equal
         the drafts, plus one."""
@@ -69,6 +70,14 @@ class RecomputeRunner:
         if (plan.num_sampled > 1).any():
             result.counts = np.array(counts, np.int32)
         return result
+
+    def lookahead(self, row: int, k: int) -> list[int]:
+        """The next ``k`` tokens the row would sample, one at a time (its state untouched)."""
+        tokens, state = list(self.tokens[row]), self.states[row]
+        ahead = SlotState(state.params, state.prompt_ids, state.stop_ids, list(state.output_ids))
+        for _ in range(k):
+            tokens.append(self.sampler.sample(self._last_logits(tokens), [ahead]).tokens[0])
+        return tokens[len(self.tokens[row]) :]
 
     def _decode(self, row: int, drafts: list[int]) -> list:
         """Tokens one at a time after the row's, while they equal the drafts, and one more."""

@@ -49,7 +49,19 @@ ALLOWED: dict[str, list[str]] = {
     "async_engine/model/gpu_kernels": ["async_engine.model", "torch", "numpy", "triton"],
     # The scheduler plans with plain ints and lists: no torch, no model. So do the parts it
     # was split into and its policies.
-    "async_engine/core/scheduler.py": ["async_engine.core", "blockalloc", "streams.plan", "numpy"],
+    "async_engine/core/scheduler.py": [
+        "async_engine.core",
+        "blockalloc",
+        "streams.plan",
+        "streams.drafting.config",
+        "numpy",
+    ],
+    "async_engine/core/speculation.py": [
+        "async_engine.core",
+        "streams.plan",
+        "streams.drafting.config",
+        "numpy",
+    ],
     "async_engine/core/plan_builder.py": ["async_engine.core", "streams.plan", "numpy"],
     "async_engine/core/step_results.py": ["async_engine.core", "streams.plan", "numpy"],
     "async_engine/core/row_chooser.py": ["async_engine.core", "streams.plan", "numpy"],

@@ -99,6 +99,20 @@ def test_row_state_derives_positions_kv_slots_and_tables():
     assert rows.length.tolist()[:2] == [7, 3]
 
 
+class Fixed:
+    """A drafter that proposes the same tokens for every row (and records what it saw)."""
+
+    def __init__(self, drafts: list[int]) -> None:
+        self.drafts, self.seen, self.released = np.array(drafts, np.int64), [], []
+
+    def propose(self, rows, tokens, ks):
+        self.seen += [(r, t.tolist(), k) for r, t, k in zip(rows, tokens, ks, strict=True)]
+        return [self.drafts[:k] for k in ks]
+
+    def release(self, row, tokens):
+        self.released.append((row, tokens.tolist()))
+
+
 def verifying_row() -> tuple[RowState, StepPlan]:
     """Row 0 holds 5 tokens; the plan verifies up to 3 drafts after its last."""
     rows = RowState(block_size=4, max_blocks_per_row=8, rows=1)
@@ -122,7 +136,7 @@ def verifying_row() -> tuple[RowState, StepPlan]:
 
 def test_a_resolved_start_begins_at_the_rows_last_token_and_drafts_fill_its_slots():
     rows, plan = verifying_row()
-    layout = rows.layout(plan, lambda row, tokens, k: np.array([6, 7, 8, 9])[:k])
+    layout = rows.layout(plan, Fixed([6, 7, 8, 9]))
     assert layout.starts.tolist() == [4] and layout.positions.tolist() == [4, 5, 6, 7]
     assert layout.input_ids.tolist() == [PLACEHOLDER, 6, 7, 8]
     assert layout.sample_offsets.tolist() == [0, 1, 2, 3]
@@ -132,18 +146,27 @@ def test_a_resolved_start_begins_at_the_rows_last_token_and_drafts_fill_its_slot
 
 def test_slots_the_drafter_leaves_empty_are_dropped():
     rows, plan = verifying_row()
-    layout = rows.layout(plan, lambda row, tokens, k: np.array([6]))
+    layout = rows.layout(plan, Fixed([6]))
     assert layout.query_lens.tolist() == [2] and layout.num_sampled.tolist() == [2]
     assert layout.input_ids.tolist() == [PLACEHOLDER, 6] and layout.drafted.tolist() == [1]
-    nothing = rows.layout(plan, lambda row, tokens, k: np.array([], np.int64))
+    nothing = rows.layout(plan, Fixed([]))
     assert nothing.query_lens.tolist() == [1] and not nothing.verifying
 
 
 def test_the_drafter_sees_the_rows_tokens_so_far():
     rows, plan = verifying_row()
-    seen = []
-    rows.layout(plan, lambda row, tokens, k: seen.append((row, tokens.tolist(), k)) or [])
-    assert seen == [(0, [1, 2, 3, 4, 5], 3)]
+    drafter = Fixed([])
+    rows.layout(plan, drafter)
+    assert drafter.seen == [(0, [1, 2, 3, 4, 5], 3)]
+
+
+def test_a_released_rows_tokens_go_to_the_drafter():
+    rows, plan = verifying_row()
+    drafter = Fixed([6, 7, 8])
+    rows.record(rows.layout(plan, drafter), np.array([6, 7, 11]), int32s([3]))
+    release = StepPlan(2, *(int32s([]),) * 4, int64s([]), released_rows=int32s([0]))
+    rows.apply(release, drafter)
+    assert drafter.released == [(0, [1, 2, 3, 4, 5, 6, 7, 11])]
 
 
 def test_draft_slots_without_a_drafter_are_refused():
@@ -154,7 +177,7 @@ def test_draft_slots_without_a_drafter_are_refused():
 
 def test_a_verified_run_grows_the_row_and_its_history():
     rows, plan = verifying_row()
-    layout = rows.layout(plan, lambda row, tokens, k: np.array([6, 7, 8]))
+    layout = rows.layout(plan, Fixed([6, 7, 8]))
     rows.record(layout, np.array([6, 7, 11]), int32s([3]))
     assert rows.length[0] == 8 and rows.history[0, :8].tolist() == [1, 2, 3, 4, 5, 6, 7, 11]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 from typing import Any
@@ -72,5 +73,7 @@ def engine_argv(options: dict[str, Any]) -> list[str]:
             continue
         if isinstance(value, bool):
             value = "on" if value else "off"
+        elif isinstance(value, dict):  # speculative_config, as LLM(...) takes it
+            value = json.dumps(value)
         argv += [_flag(name), str(value)]
     return argv

@@ -9,34 +9,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from async_engine.core.hardware import cpu_has_fast_bf16, default_device
 from async_engine.core.policy import POLICIES, Policy, default_overflow_seqs, make_policy
 from async_engine.core.step_clock import PLANNINGS
+from streams.drafting.config import SpeculativeConfig, parse_speculative_config
 from streams.sim import PRESETS as SIM_PRESETS
-
-
-def default_device() -> str:
-    try:
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    except ImportError:  # pragma: no cover - torch is a hard dependency
-        return "cpu"
-
-
-def cpu_has_fast_bf16() -> bool:
-    """bfloat16 matmuls are fast where the CPU has AVX512-BF16 or AMX; float32 elsewhere.
-
-    ``ASYNC_ENGINE_CPU_ISA=avx2`` answers as an AVX2 CPU would, so that one machine runs
-    what those CPUs run by default (with ``ONEDNN_MAX_CPU_ISA=AVX2`` for the matmuls)."""
-    if os.environ.get("ASYNC_ENGINE_CPU_ISA") == "avx2":
-        return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "sim")
@@ -140,6 +117,17 @@ class EngineConfig:
     sim_token_us: float | None = _opt(None, "sim device: cost per computed token, us")
     sim_seq_us: float | None = _opt(None, "sim device: cost per sequence in the step, us")
     sim_ctx_ns: float | None = _opt(None, "sim device: cost per context token read, ns")
+    sim_repeat: float = _opt(
+        0.0,
+        "sim device: share of positions whose token repeats what followed the last two "
+        "tokens earlier in the request or its session (text for speculative decoding)",
+    )
+    speculative_config: str | None = _opt(
+        None,
+        'speculative decoding as JSON, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4}\' (methods ngram, suffix, draft_model with "model"; '
+        "a dict in LLM(...)); README: Speculative decoding",
+    )
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -204,6 +192,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int | float) and 0 <= value < 1e9):
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if not isinstance(self.sim_repeat, int | float) or not 0 <= self.sim_repeat <= 1:
+            raise ValueError(f"sim_repeat must be a share in [0, 1], got {self.sim_repeat!r}")
+        self.resolved_speculative()  # raises on a bad config
 
     def _check_kv_events(self) -> None:
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
@@ -256,6 +247,10 @@ class EngineConfig:
 
     def resolved_device(self) -> str:
         return default_device() if self.device == "auto" else self.device
+
+    def resolved_speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config`` parsed (a JSON string or a dict), or None: no speculation."""
+        return parse_speculative_config(self.speculative_config)
 
     def _check_kv_cache_dtype(self) -> None:
         kv = self.kv_cache_dtype

@@ -16,6 +16,7 @@ from async_engine.core.handoff import DeviceLink
 from async_engine.model import build_model
 from async_engine.model.config import ModelConfig
 from streams.device import Device, DeviceSpec
+from streams.drafting import Drafter, build_drafter
 from streams.factory import create_device, model_spec, sim_spec
 from streams.plan import StepPlan, StepResult
 from streams.sim import cost_model
@@ -80,7 +81,9 @@ class DeviceHost:
                 config.sim_seq_us,
                 config.sim_ctx_ns,
             )
-            return sim_spec(cost, mc.vocab_size, tuple(mc.eos_token_ids), bs, max_blocks_per_row)
+            eos = tuple(mc.eos_token_ids)
+            drafter, repeat = self._drafter(), config.sim_repeat
+            return sim_spec(cost, mc.vocab_size, eos, bs, max_blocks_per_row, drafter, repeat)
         model = functools.partial(
             build_model,
             str(self.model_path),
@@ -106,7 +109,25 @@ class DeviceHost:
             self._graph_max_batch(),
             config.gpu_memory_utilization,
             config.max_num_batched_tokens,
+            self._drafter(),
         )
+
+    def _drafter(self) -> Callable[[], Drafter] | None:
+        """What builds the device's drafter (in the device process), if it speculates."""
+        speculative = self.config.resolved_speculative()
+        if speculative is None:
+            return None
+        draft_model = {}
+        if speculative.method == "draft_model":
+            draft_model = {
+                "device": self.kind,
+                "dtype": self.dtype,
+                "block_size": self.config.block_size,
+                "max_model_len": self.max_model_len,
+                "target_vocab": self.model_config.vocab_size,
+                "num_rows": self.config.max_num_seqs + self.config.resolved_fair_overflow_seqs(),
+            }
+        return functools.partial(build_drafter, speculative, **draft_model)
 
     def _graph_max_batch(self) -> int:
         # The fair policy may run --fair-overflow-seqs over max_num_seqs: graphs cover them.

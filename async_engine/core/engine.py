@@ -69,15 +69,17 @@ class AsyncEngine:
         num_blocks = self.host.num_blocks
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_cache)
         self.kv_events = attach_kv_events(config, self.pool)  # a no-op unless configured
-        sched_config = SchedulerConfig(self.max_model_len, config.block_size)
-        self.scheduler = Scheduler(sched_config, self.pool, config.build_policy())
+        self.clock = StepClock(config.overlap, config.planning, config.device_step_timeout_s)
+        sched_config = SchedulerConfig(
+            self.max_model_len, config.block_size, config.resolved_speculative()
+        )
+        self.scheduler = Scheduler(sched_config, self.pool, config.build_policy(), self.clock)
         self.intake = Intake(
             config, mc, folder, self.tokenizer, self.scheduler, self.max_model_len, num_blocks
         )
         self.inputs = self.intake.inputs
         self.unread = UnreadBudget(config.max_unread_bytes_per_stream, config.max_unread_bytes)
         self.emitter = Emitter(self.scheduler, self.tokenizer, self.unread)
-        self.clock = StepClock(config.overlap, config.planning, config.device_step_timeout_s)
         self.loop = StepLoop(self.scheduler, self.host, self.intake, self.emitter, self.clock)
         self.supervisor = Supervisor(RestartPolicy(config.device_restart_limit))
         self.recovery = Recovery(

@@ -18,8 +18,12 @@ from async_engine.core.request import Request
 _COUNTERS = ("tokens", "computed", "inflight", "drafts", "launched")  # as Request.counters
 # Every per-row integer, as the rows of one 2-D array: a step gathers the columns of its rows
 # once (``table.counters[:, rows]``), works on that copy and scatters it back once.
-FIELDS = (*_COUNTERS, "limit", "prompt", "blocks", "hashed", "last_token", "flags", "tenant")
-ALIVE, PLAIN = 1, 2  # flags: attached and not finished; no logprobs wanted (applied in bulk)
+FIELDS = (
+    *_COUNTERS,
+    *("limit", "prompt", "blocks", "hashed", "last_token", "flags", "tenant", "drafted", "kept"),
+)
+# flags: attached and not finished; no logprobs wanted (applied in bulk); may speculate
+ALIVE, PLAIN, SPECULATE = 1, 2, 4
 
 
 class RowTable:
@@ -33,8 +37,10 @@ class RowTable:
     blocks: np.ndarray  # len(block_ids)
     hashed: np.ndarray  # len(block_hashes)
     last_token: np.ndarray  # the newest token held
-    flags: np.ndarray  # ALIVE | PLAIN
+    flags: np.ndarray  # ALIVE | PLAIN | SPECULATE
     tenant: np.ndarray  # index into tenant_names
+    drafted: np.ndarray  # drafts the row verified
+    kept: np.ndarray  # of them, kept
 
     def __init__(self, rows: int = 64) -> None:
         self.size = rows
@@ -68,8 +74,15 @@ class RowTable:
         self.blocks[row] = len(req.block_ids)
         self.hashed[row] = len(req.block_hashes)
         self.last_token[row] = req.output_ids[-1] if req.output_ids else req.prompt_ids[-1]
-        plain = getattr(req.params, "logprobs", None) is None
-        self.flags[row] = (0 if req.finished else ALIVE) | (PLAIN if plain else 0)
+        params = req.params
+        plain = getattr(params, "logprobs", None) is None
+        # Structured output verifies no drafts: each position's mask needs the grammar there.
+        speculate = getattr(params, "speculate", True) and not getattr(
+            params, "structured_output", None
+        )
+        flags = (0 if req.finished else ALIVE) | (PLAIN if plain else 0)
+        self.flags[row] = flags | (SPECULATE if speculate else 0)
+        self.drafted[row] = self.kept[row] = 0
         self.tenant[row] = self._tenant_of(req.tenant)
         self.requests[row], self.outputs[row], self.times[row] = (
             req,

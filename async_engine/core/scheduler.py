@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from async_engine.core.bulk_decodes import DraftSlots, plan_decodes
+from async_engine.core.bulk_decodes import plan_decodes
 from async_engine.core.device_loss import settle_device_loss
 from async_engine.core.kv_manager import KVCacheManager
 from async_engine.core.ledger import ReleaseLedger
@@ -31,8 +31,12 @@ from async_engine.core.request import FinishReason, Request, RequestStatus
 from async_engine.core.row_chooser import RowChooser
 from async_engine.core.row_table import RowTable
 from async_engine.core.running import Running
+from async_engine.core.speculation import Speculation
+from async_engine.core.step_clock import StepClock
 from async_engine.core.step_results import apply_step
+from async_engine.core.step_times import StepTimes
 from blockalloc import BlockPool
+from streams.drafting.config import SpeculativeConfig
 from streams.plan import NewRow, StepPlan, StepResult
 
 
@@ -40,10 +44,17 @@ from streams.plan import NewRow, StepPlan, StepResult
 class SchedulerConfig:
     max_model_len: int
     block_size: int
+    speculative: SpeculativeConfig | None = None  # draft slots for decodes (speculation)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, policy: Policy) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: BlockPool,
+        policy: Policy,
+        clock: StepClock | None = None,
+    ) -> None:
         self.config = config
         self.pool = pool
         self.policy = policy
@@ -57,7 +68,12 @@ class Scheduler:
         self.rows = RowChooser(
             config.block_size, policy, self.kv, self.running, self.ledger, self._make_room
         )
-        self.draft_slots: DraftSlots | None = None  # speculation: draft slots per running row
+        # Speculative decoding, where the engine is configured for it: the draft slots each
+        # running row gets (core/speculation.py), from the step clock's step times.
+        self.speculation: Speculation | None = None
+        if config.speculative is not None:
+            times = clock.step_times if clock is not None else StepTimes()
+            self.speculation = Speculation(config.speculative, self.table, times)
         self.next_step_id = 0
         self.wasted_tokens = 0
         self._ended: list[Request] = []  # since take_ended
@@ -110,8 +126,9 @@ class Scheduler:
         new_rows: list[NewRow] = []
         preemptions_before = self.preemption.count
         running = self.running
+        slots = self.speculation.slots if self.speculation is not None else None
         bulk = plan_decodes(
-            self.kv, self.policy, running, running.rows(), shape.budget, self.draft_slots, step_id
+            self.kv, self.policy, running, running.rows(), shape.budget, slots, step_id
         )
         if bulk is not None:
             part, chunks, budget = bulk
@@ -191,6 +208,8 @@ class Scheduler:
         """Apply one step's emitted tokens; returns the requests that got tokens."""
         self.ledger.step_completed(plan.step_id)
         self._ended = []
+        if self.speculation is not None:
+            self.speculation.observe(plan, result)
         touched, wasted, rows, counts = apply_step(
             plan, result, self.table, self.config.max_model_len, self.finish
         )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from async_engine.core.scheduler import Scheduler
@@ -32,6 +32,15 @@ class EngineStats:
     device_state: str  # serving | restarting | failed
     device_restarts: int  # devices replaced after a loss, lifetime
     planning_mode: str  # overlap | after-step | sync: how the last step was planned
+    # Speculative decoding (zeros without it): vLLM's spec_decode counts, lifetime.
+    spec_num_drafts: int = 0  # row-steps that verified at least one draft
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
+    spec_acceptance_rate: float = 0.0  # accepted / drafted
+    spec_mean_accepted_length: float = 0.0  # tokens a verifying row emitted per step
+    spec_verify_steps: int = 0
+    spec_verify_device_seconds: float = 0.0
 
     @classmethod
     def collect(
@@ -63,7 +72,24 @@ class EngineStats:
             device_state=supervisor.state.value,
             device_restarts=supervisor.restarts,
             planning_mode=planning_mode,
+            **_speculation(sched),
         )
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _speculation(sched: Scheduler) -> dict[str, Any]:
+    if sched.speculation is None:
+        return {}
+    spec = sched.speculation.stats
+    return {
+        "spec_num_drafts": spec.num_drafts,
+        "spec_num_draft_tokens": spec.num_draft_tokens,
+        "spec_num_accepted_tokens": spec.num_accepted_tokens,
+        "spec_accepted_per_position": list(spec.accepted_per_position),
+        "spec_acceptance_rate": spec.acceptance_rate,
+        "spec_mean_accepted_length": spec.mean_accepted_length,
+        "spec_verify_steps": spec.verify_steps,
+        "spec_verify_device_seconds": spec.verify_device_seconds,
+    }

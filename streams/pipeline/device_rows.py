@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from sampler.sampler import Positions, Sample, Sampler
+from streams.drafting.base import Drafter
 from streams.grammar import GrammarRows
 from streams.plan import StepPlan
 from streams.rows import RowState
@@ -40,16 +41,19 @@ class DeviceRows:
         self.sampler = Sampler(vocab_size, device, rows, seed)
         self.grammars = GrammarRows(tokenizer_folder, vocab_size)
 
-    def apply(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The plan's row changes on the host: released rows leave, new rows' grammars join and
-        the host tables take the new blocks. Returns the tables' change for the device."""
+    def apply(
+        self, plan: StepPlan, drafter: Drafter | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The plan's row changes on the host: released rows leave (their tokens go to the
+        drafter), new rows' grammars join and the host tables take the new blocks. Returns
+        the tables' change for the device."""
         released = plan.released_rows.tolist()
         for row in released:
             self.grammars.drop(row)
         self.sampler.release_rows(released)
         for new in plan.new_rows:
             self.grammars.add(new.row, new.params.structured_output)
-        return self.host.apply(plan)
+        return self.host.apply(plan, drafter)
 
     def join(self, plan: StepPlan) -> None:
         """New rows' sampling settings to the device (called on the compute stream)."""

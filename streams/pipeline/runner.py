@@ -30,6 +30,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,7 @@ import torch
 from sampler.sampler import Positions, Sample
 from streams import cuda_kernels
 from streams.device import REPLAY_STEP, DeviceError
+from streams.drafting.base import Drafter
 from streams.pipeline import devsync
 from streams.pipeline.clock import EventClock
 from streams.pipeline.device_rows import DeviceRows, token_slots
@@ -45,7 +47,7 @@ from streams.pipeline.forward import StepForward
 from streams.pipeline.memory import kv_blocks_for
 from streams.pipeline.slots import Pending, Slot, fit_slot, new_slot, step_sections
 from streams.plan import StepPlan, StepResult
-from streams.rows import Propose, StepLayout
+from streams.rows import StepLayout
 from streams.verify import emitted_counts, keep_emitted
 
 SLOTS = 2  # steps in flight: N running while N+1 is queued behind it
@@ -66,7 +68,7 @@ class PipelinedRunner:
         seed: int | None = None,
         memory_share: float = 0.9,  # with num_blocks None: gpu_memory_utilization
         step_tokens: int = 512,  # the largest step, for the memory probe
-        propose: Propose | None = None,  # the drafter of rows that verify drafts
+        drafter: Drafter | None = None,  # proposes the drafts of rows that verify drafts
         eager_buckets: bool = False,  # padded decode buckets without capture (tests, a CPU)
     ) -> None:
         self.model = model
@@ -75,7 +77,7 @@ class PipelinedRunner:
         self.block_size, self.max_blocks_per_row = block_size, max_blocks_per_row
         self.vocab_size = model.cfg.vocab_size
         self.tokenizer_folder, self.seed = tokenizer_folder, seed
-        self.propose = propose
+        self.drafter = drafter
         if attention not in ("auto", "triton", "torch"):
             raise ValueError(f"attention must be auto|triton|torch, got {attention!r}")
         if attention == "auto":
@@ -185,10 +187,10 @@ class PipelinedRunner:
         rows = self.rows
         if self._free.qsize() == SLOTS and self.clock.anchor_due():  # idle: nothing in flight
             self.clock.anchor(self.compute)
-        delta = rows.apply(plan)
+        delta = rows.apply(plan, self.drafter)
         if (plan.num_sampled > 1).any() and self._unrecorded:
             self._record_through(self._unrecorded[-1])  # drafts read every row's tokens
-        layout = rows.host.layout(plan, self.propose)
+        layout = rows.host.layout(plan, self.drafter)
         if not len(plan.rows):
             with self.sync.use(self.compute):
                 rows.join(plan)
@@ -230,12 +232,15 @@ class PipelinedRunner:
             cuda_kernels.fill_placeholders(dev["input_ids"], dev["token_slots"], rows.tokens)
             logits = self.forward(layout, dev, rows)
             keep: tuple = ()
+            wanted: list[int | None] = []
             if len(layout.sample_rows):
                 sample = rows.sample(logits, _positions(layout, dev))
-                tokens = sample.tokens
+                tokens, wanted = sample.tokens, sample.wanted
                 cuda_kernels.scatter_tokens(rows.tokens, dev["sample_slots"], tokens)
                 if layout.verifying:
                     counts, tokens, sample = self._verify(layout, sample, dev)
+                    kept = _kept(layout, counts).tolist()
+                    wanted = [w for w, k in zip(wanted, kept, strict=True) if k]
                 else:
                     rows.sampler.record(_host(layout.sample_rows), dev["sample_rows"], tokens)
                 keep = (tokens, sample.logprobs, sample.top_ids, sample.top_logprobs)
@@ -246,9 +251,6 @@ class PipelinedRunner:
             self.d2h.wait_event(end)
             top = _copy_out(slot, keep, n)
             copied.record()
-        wanted = sample.wanted if keep else []
-        if layout.verifying:
-            wanted = [w for w, k in zip(wanted, _kept(layout, counts).tolist(), strict=True) if k]
         has_logprobs = bool(keep) and keep[1] is not None
         pending = Pending(
             plan.step_id, slot, n, top, wanted, has_logprobs, start, end, copied, keep,
@@ -358,9 +360,10 @@ def build_pipelined_runner(
     graph_max_batch: int = 80,
     memory_share: float = 0.9,
     step_tokens: int = 512,
-    propose: Propose | None = None,
+    drafter: Callable[[], Drafter] | None = None,
 ) -> PipelinedRunner:
-    """Module level, so a device process can receive it by name inside a partial."""
+    """Module level, so a device process can receive it by name inside a partial (with the
+    drafter's factory: the drafter is built in the device process)."""
     return PipelinedRunner(
         model_factory(),
         num_blocks,
@@ -372,5 +375,5 @@ def build_pipelined_runner(
         graph_max_batch,
         memory_share=memory_share,
         step_tokens=step_tokens,
-        propose=propose,
+        drafter=None if drafter is None else drafter(),
     )

@@ -1,0 +1,123 @@
+"""How many draft slots each running row gets a step, and what speculation has done so far.
+
+The device drafts and verifies; the control plane only grants slots (``slots``, the
+scheduler's ``draft_slots``) and learns from each step's result (``observe``). A slot is
+worth granting where the tokens it is expected to add are worth more than the time it adds
+to the step: the j-th draft of a row whose drafts are kept with probability a adds a^j
+tokens, and it costs the step the time of one more token, which every row of the step
+waits for. So a row gets the largest k with a^k above that cost, in tokens:
+
+    cost = (T(n + m) - T(n)) / m * tokens per step / T(n)
+
+where T is the step clock's measured time of a step of n tokens (the batch) and m the slots
+granted (found by iterating: the slots change the step's tokens and its yield). On a device
+that reads the weights once per step (a GPU, a CPU at small batch) extra tokens are nearly
+free and rows get every slot their acceptance warrants; on a compute-bound step (a large
+CPU batch) they cost as much as any token and speculation stops for the step. Each row's
+acceptance is its own count of kept drafts, shrunk toward the engine-wide rate while it has
+few (a Beta prior of ``PRIOR_DRAFTS`` drafts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from async_engine.core.row_table import SPECULATE, RowTable
+from async_engine.core.step_times import StepTimes
+from streams.drafting.config import SpeculativeConfig
+from streams.plan import StepPlan, StepResult
+
+PRIOR_DRAFTS = 8  # how many drafts' worth the engine-wide rate weighs in a row's estimate
+START_RATE = 0.5  # the engine-wide rate before anything was verified
+
+
+@dataclass(slots=True)
+class SpeculationStats:
+    """Lifetime counts, vLLM's spec_decode metrics by the same names."""
+
+    num_drafts: int = 0  # row-steps that verified at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # kept at draft index j
+    verify_steps: int = 0  # steps that verified drafts
+    verify_device_seconds: float = 0.0  # their device time
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verifying row emitted per step: its kept drafts plus one."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class Speculation:
+    def __init__(self, config: SpeculativeConfig, table: RowTable, times: StepTimes) -> None:
+        self.config = config
+        self.table = table
+        self.times = times
+        self.stats = SpeculationStats(accepted_per_position=[0] * config.num_speculative_tokens)
+
+    def slots(self, rows: np.ndarray) -> np.ndarray:
+        """Draft slots for each of the running ``rows`` this step (int64, 0: none)."""
+        k, t = self.config.num_speculative_tokens, self.table
+        allowed = (t.flags[rows] & SPECULATE) != 0
+        limit = self.config.disable_by_batch_size
+        if (limit is not None and len(rows) > limit) or not allowed.any():
+            return np.zeros(len(rows), np.int64)
+        if not self.config.adaptive:
+            return np.where(allowed, k, 0)
+        rates = self._rates(rows)
+        rates = np.where(allowed, rates, 0.0)
+        return self._worth(rates, len(rows))
+
+    def _rates(self, rows: np.ndarray) -> np.ndarray:
+        """Each row's expected share of drafts kept."""
+        overall = self.stats.acceptance_rate if self.stats.num_draft_tokens else START_RATE
+        t = self.table
+        return (t.kept[rows] + PRIOR_DRAFTS * overall) / (t.drafted[rows] + PRIOR_DRAFTS)
+
+    def _worth(self, rates: np.ndarray, batch: int) -> np.ndarray:
+        """The largest k per row whose last slot is worth its cost (see the module's doc)."""
+        k = self.config.num_speculative_tokens
+        base = self.times.predict(batch)
+        if base is None or base <= 0:  # no step measured yet: speculate with the prior
+            return np.full(len(rates), k, np.int64)
+        slots = np.full(len(rates), k, np.int64)
+        rates = np.clip(rates, 1e-6, 1.0 - 1e-6)
+        for _ in range(3):  # slots change the step's tokens and its yield: settle them
+            extra = int(slots.sum())
+            if extra == 0:
+                break
+            after = self.times.predict(batch + extra) or base
+            per_token = max(after - base, 0.0) / extra
+            expected = float((rates * (1 - rates**slots) / (1 - rates)).sum())
+            cost = per_token * (batch + expected) / after  # in tokens of the step's yield
+            if cost <= 0:
+                return np.full(len(rates), k, np.int64)
+            slots = np.clip(np.floor(np.log(cost) / np.log(rates)), 0, k).astype(np.int64)
+        return slots
+
+    def observe(self, plan: StepPlan, result: StepResult) -> None:
+        """A step's verified drafts: each row's counts, and the lifetime stats."""
+        if not len(result.drafted):
+            return
+        sampled = plan.num_sampled > 0
+        rows = plan.rows[sampled].astype(np.int64)
+        drafted = result.drafted.astype(np.int64)
+        kept = result.emitted(len(rows)).astype(np.int64) - 1
+        t, stats = self.table, self.stats
+        t.drafted[rows] += drafted
+        t.kept[rows] += kept
+        verified = drafted > 0
+        stats.num_drafts += int(verified.sum())
+        stats.num_draft_tokens += int(drafted.sum())
+        stats.num_accepted_tokens += int(kept.sum())
+        per_position = stats.accepted_per_position
+        for j in range(len(per_position)):
+            per_position[j] += int((kept > j).sum())
+        stats.verify_steps += 1
+        stats.verify_device_seconds += result.device_end - result.device_start
