@@ -117,6 +117,41 @@ class GrammarRows:
     def drop(self, row: int) -> None:
         self.matchers.pop(row, None)
 
+    def constrain_runs(
+        self, logits: torch.Tensor, rows: list[int], offsets: list[int], next_drafts: list[int]
+    ) -> list[int]:
+        """Like ``constrain``, for a step whose rows may verify drafts: logits row i is
+        position ``offsets[i]`` of row ``rows[i]``'s run, masked under the grammar's state
+        after the drafts before it (``next_drafts[i]``: the draft after position i). A draft
+        the grammar refuses ends its row's run there: that position's mask rules it out, so
+        it is never verified, and the positions after it keep no mask (never emitted). The
+        matchers are left as they were; ``advance`` them by what the rows emitted."""
+        matchers, picked = self.matchers, []
+        words = (self.vocab_size + 31) // 32
+        masks: list[np.ndarray] = []
+        i = 0
+        while i < len(rows):
+            row, n = rows[i], 1
+            while i + n < len(rows) and rows[i + n] == row and offsets[i + n] > 0:
+                n += 1
+            matcher = matchers.get(row)
+            if matcher is not None and not matcher.is_error():
+                drafts = next_drafts[i : i + n - 1]
+                valid = matcher.validate_tokens(drafts) if drafts else 0
+                for j in range(min(valid, n - 1) + 1):
+                    mask = np.zeros(words, dtype=np.int32)
+                    matcher.unsafe_compute_mask_ptr(mask.ctypes.data, words * 4)
+                    if mask.any():
+                        picked.append(i + j)
+                        masks.append(mask)
+                    if j < valid:
+                        matcher.consume_token(drafts[j])
+                matcher.rollback(valid)
+            i += n
+        if picked:
+            self._apply_masks(logits, picked, np.stack(masks))
+        return picked
+
     def constrain(self, logits: torch.Tensor, rows: list[int]) -> list[int]:
         """Mask, in place, the logits of the constrained ``rows`` (logits row i is rows[i]);
         returns the indices that were constrained, for ``advance``. A finished grammar allows
@@ -139,6 +174,12 @@ class GrammarRows:
             mask = mask[live]
             if not picked:
                 return picked
+        self._apply_masks(logits, picked, mask)
+        return picked
+
+    def _apply_masks(self, logits: torch.Tensor, picked: list[int], mask: np.ndarray) -> None:
+        """Rule out, in place, the tokens ``mask`` (bit words per logits row ``picked``)
+        does not allow."""
         # Bit b of word w allows token 32 w + b: little-endian bytes, least significant first.
         allowed = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")
         allowed = torch.from_numpy(allowed[:, : logits.shape[1]].astype(bool))
@@ -146,8 +187,14 @@ class GrammarRows:
         rows_logits = logits.index_select(0, index)
         rows_logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
         logits.index_copy_(0, index, rows_logits)
-        return picked
 
     def advance(self, rows: list[int], picked: list[int], tokens: list[int]) -> None:
         for i in picked:
             self.matchers[rows[i]].consume_token(tokens[i])
+
+    def advance_runs(self, rows: list[int], tokens: list[int]) -> None:
+        """Each emitted token of a constrained row (in order) into its matcher."""
+        for row, token in zip(rows, tokens, strict=True):
+            matcher = self.matchers.get(row)
+            if matcher is not None and not matcher.is_error():
+                matcher.consume_token(token)

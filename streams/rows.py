@@ -222,7 +222,10 @@ class RowState:
             if (ids[end - k : end] != DRAFT).any():
                 raise ValueError("a row's DRAFT slots must be its last inputs")
             if starts[i] + qlens[i] - k != self.length[row]:
-                raise ValueError("a row verifying drafts must start from its last token")
+                raise ValueError(
+                    f"a row verifying drafts must start from its last token (row {row}: start"
+                    f" {starts[i]}, {qlens[i]} tokens, {k} slots, {self.length[row]} held)"
+                )
         if int((ids == DRAFT).sum()) != int(slots.sum()):
             raise ValueError("a row's DRAFT slots must be its last inputs")
         drafted = drafter.propose(

@@ -157,6 +157,7 @@ def oracle_tokens(
     """The tokens the simulated device generates for a prompt: the tests' reference."""
     avoid_arr = np.array(sorted(avoid), dtype=np.int64)
     out: list[int] = []
+    seed = text_seed(prompt, seed)
     last, pos = prompt[-1], len(prompt) - 1
     for _ in range(count):
         token = int(
@@ -173,3 +174,14 @@ def request_seed(params: object) -> int:
     """The seed a request's tokens are drawn with: its sampling seed, else 0."""
     seed = getattr(params, "seed", None)
     return 0 if seed is None else int(seed) & ((1 << 63) - 1)
+
+
+def text_seed(prompt: list[int] | np.ndarray, seed: int) -> int:
+    """The seed with the prompt mixed in: each token follows from the one before, its position
+    and this, so requests with different prompts never share a continuation (with one seed
+    for all, two texts that met at a token and position would run on alike)."""
+    tokens = np.asarray(prompt, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        weights = _mix(np.arange(1, len(tokens) + 1, dtype=np.uint64))
+        mixed = int(_mix(np.array([(tokens * weights).sum()], np.uint64))[0])
+    return (seed ^ mixed) & ((1 << 63) - 1)

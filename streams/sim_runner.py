@@ -18,7 +18,7 @@ from streams.device import REPLAY_STEP
 from streams.drafting.base import Drafter
 from streams.plan import StepPlan, StepResult
 from streams.rows import RowState, StepLayout
-from streams.sim import CostModel, PreciseClock, request_seed, sim_tokens
+from streams.sim import CostModel, PreciseClock, request_seed, sim_tokens, text_seed
 from streams.sim_text import RepeatingText
 from streams.verify import emitted_counts, keep_emitted
 
@@ -109,7 +109,7 @@ class SimRunner:
         if len(self.seeds) < len(rows.live):
             self.seeds = np.resize(self.seeds, len(rows.live))
         for new in plan.new_rows:
-            self.seeds[new.row] = request_seed(new.params)
+            self.seeds[new.row] = text_seed(new.prompt_ids, request_seed(new.params))
         layout = rows.layout(plan, self.drafter)
         at = layout.sample_index
         if not len(at):

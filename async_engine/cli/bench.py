@@ -1,10 +1,10 @@
-"""`async-engine bench offline|serve|prefill|soak|replicas`: benchmarks, not tests."""
+"""`async-engine bench offline|serve|prefill|spec|soak|replicas`: benchmarks, not tests."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from async_engine.bench import offline, prefill, serve, soak
+from async_engine.bench import offline, prefill, serve, soak, spec
 from async_engine.bench.replicas import command as replicas
 from async_engine.bench.replicas import options as replicas_options
 from async_engine.cli.options import add_engine_args
@@ -25,6 +25,11 @@ BENCHES = {
         "one long prompt's prefill speed (vs llama-bench)",
         prefill.add_arguments,
         prefill.cmd_prefill,
+    ),
+    "spec": (
+        "speculative decoding off vs each drafter, agent and plain workloads, by batch size",
+        spec.add_arguments,
+        spec.cmd_spec,
     ),
     "soak": (
         "long mixed load with cancels: leaks, ghost requests, RSS growth, errors",

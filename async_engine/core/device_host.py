@@ -13,7 +13,7 @@ from pathlib import Path
 
 from async_engine.core.config import EngineConfig
 from async_engine.core.handoff import DeviceLink
-from async_engine.model import build_model
+from async_engine.model import build_model, check_draft_model, resolve_model
 from async_engine.model.config import ModelConfig
 from streams.device import Device, DeviceSpec
 from streams.drafting import Drafter, build_drafter
@@ -119,13 +119,15 @@ class DeviceHost:
             return None
         draft_model = {}
         if speculative.method == "draft_model":
+            folder = resolve_model(speculative.model)
+            check_draft_model(self.model_path, folder)
             draft_model = {
+                "model_factory": functools.partial(build_model, str(folder), self.dtype, self.kind),
                 "device": self.kind,
-                "dtype": self.dtype,
                 "block_size": self.config.block_size,
+                # As many blocks as the target's pool: the draft model reads the same tokens.
+                "num_blocks": self.num_blocks or 4096,
                 "max_model_len": self.max_model_len,
-                "target_vocab": self.model_config.vocab_size,
-                "num_rows": self.config.max_num_seqs + self.config.resolved_fair_overflow_seqs(),
             }
         return functools.partial(build_drafter, speculative, **draft_model)
 

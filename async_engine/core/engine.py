@@ -79,11 +79,11 @@ class AsyncEngine:
         )
         self.inputs = self.intake.inputs
         self.unread = UnreadBudget(config.max_unread_bytes_per_stream, config.max_unread_bytes)
-        self.emitter = Emitter(self.scheduler, self.tokenizer, self.unread)
+        self.emitter = Emitter(self.tokenizer, self.unread)
         self.loop = StepLoop(self.scheduler, self.host, self.intake, self.emitter, self.clock)
         self.supervisor = Supervisor(RestartPolicy(config.device_restart_limit))
         self.recovery = Recovery(
-            self.supervisor, self.host, self.scheduler, self.emitter, self.loop.timeline
+            self.supervisor, self.host, self.scheduler, self.emitter, self.loop
         )
         self._task: asyncio.Task | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
@@ -146,6 +146,8 @@ class AsyncEngine:
 
     def release(self, req: Request) -> None:
         """The consumer is gone: abort the request if it still runs and drop its stream."""
+        if not req.finished:
+            self.loop.end(req, FinishReason.ABORTED)
         self.emitter.release(req)
 
     async def prepare(
@@ -178,7 +180,7 @@ class AsyncEngine:
         req = self.scheduler.requests.get(request_id)
         if req is None or req.finished:
             return False
-        self.emitter.end(req, reason)
+        self.loop.end(req, reason)
         return True
 
     async def replay(self, plans: list[StepPlan]) -> float:

@@ -22,6 +22,7 @@ from async_engine.core.device_host import DeviceHost
 from async_engine.core.emitter import Emitter
 from async_engine.core.intake import Intake
 from async_engine.core.observer import StepObserver
+from async_engine.core.request import FinishReason, Request
 from async_engine.core.scheduler import Scheduler
 from async_engine.core.step_clock import StepClock
 from async_engine.core.timeline import DeviceTimeline, PhaseClock
@@ -87,7 +88,7 @@ class StepLoop:
         start = time.monotonic()
         if self.intake.timed:
             for req, reason in self.intake.expired(start):
-                self.emitter.end(req, reason)
+                self.end(req, reason)
         self.scheduler.compute_bound = self.clock.compute_bound
         plan = self.scheduler.schedule()
         if plan is not None:
@@ -136,6 +137,15 @@ class StepLoop:
                 self.host.link.check()
         self.timeline.mark_idle_engine()
 
+    def end(self, req: Request, reason: FinishReason) -> None:
+        """End a running or waiting request now (abort, time or queue limit, a lost device);
+        its reader gets the final delta, its blocks return after its last launched step."""
+        req.abort_time = time.monotonic()
+        self.scheduler.finish(req, reason)
+        ending = self.emitter.emit(req)
+        if ending is not None:  # cannot be: it has ended; kept for the type's sake
+            self.emitter.finish_ending(ending)
+
     def on_step_done(self, plan: StepPlan, result: StepResult) -> None:
         """The device reported a step (called by the link, possibly before it is awaited)."""
         self.timeline.on_result(result)
@@ -152,7 +162,12 @@ class StepLoop:
         else:
             touched = self.scheduler.update_from_output(plan, result)
         applied = time.monotonic()
-        self.emitter.emit_step(touched, self.scheduler.take_ended(), applied)
+        endings = self.emitter.emit_step(touched, self.scheduler.take_ended(), applied)
+        for ending in endings:  # the output said so: a stop string, a reader far behind
+            if ending.reason is FinishReason.UNREAD:
+                ending.req.abort_time = applied
+            self.scheduler.finish(ending.req, ending.reason, ending.stop_reason)
+            self.emitter.finish_ending(ending)
         self._phase("apply", plan.step_id, start, applied)
         self._phase("stream", plan.step_id, applied, time.monotonic())
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from async_engine.core.request import Request
 from async_engine.core.row_table import RowTable
-from streams.plan import PLACEHOLDER, NewRow, StepPlan
+from streams.plan import PLACEHOLDER, RESOLVE, NewRow, StepPlan
 
 _NONE32 = np.zeros(0, np.int32)
 
@@ -56,7 +56,8 @@ def chosen_part(chosen: list[tuple[Request, int]], table: RowTable, step_id: int
         start, known = int(table.computed[row]), int(table.tokens[row])
         inflight = int(table.inflight[row])
         rows.append(row)
-        starts.append(start)
+        # Drafts of it still in flight: only the device knows how many it verified.
+        starts.append(RESOLVE if table.drafts[row] else start)
         query_lens.append(n)
         end = start + n
         if start >= known:  # the token was sampled by a step in flight

@@ -42,7 +42,7 @@ class RowChooser:
         left and the requests with more than one token to feed (prompt chunks).
 
         The hot loop: every running request, every step. Kept to plain arithmetic."""
-        bs, running = self.block_size, RequestStatus.RUNNING
+        running = RequestStatus.RUNNING
         choose, charge, chunks = chosen.append, self.policy.charges_service, []
         for req in reqs:
             if budget == 0:
@@ -58,7 +58,8 @@ class RowChooser:
                 if n > 1:
                     chunks.append(req)
                 continue
-            if (computed + bs) // bs > len(req.block_ids) and not self.kv.allocate_slots(req, 1):
+            # Blocks for the token, past any draft slots still in flight (all may be kept).
+            if self.kv.blocks_needed(req, 1) > 0 and not self.kv.allocate_slots(req, 1):
                 if not preempt or not self.make_room(req, 1, chosen):
                     continue
             choose((req, 1))

@@ -76,10 +76,7 @@ class RowTable:
         self.last_token[row] = req.output_ids[-1] if req.output_ids else req.prompt_ids[-1]
         params = req.params
         plain = getattr(params, "logprobs", None) is None
-        # Structured output verifies no drafts: each position's mask needs the grammar there.
-        speculate = getattr(params, "speculate", True) and not getattr(
-            params, "structured_output", None
-        )
+        speculate = getattr(params, "speculate", True)
         flags = (0 if req.finished else ALIVE) | (PLAIN if plain else 0)
         self.flags[row] = flags | (SPECULATE if speculate else 0)
         self.drafted[row] = self.kept[row] = 0

@@ -152,7 +152,7 @@ class Scheduler:
 
     def _chunks(self, chunks: list[Request], chosen: list[tuple[Request, int]], budget: int) -> int:
         """Prompt chunks of the running requests with more than one token to feed."""
-        bs, charge = self.config.block_size, self.policy.charges_service
+        charge = self.policy.charges_service
         for req in chunks:
             if budget == 0:
                 break
@@ -160,7 +160,7 @@ class Scheduler:
                 continue  # preempted for another's blocks
             computed = req.num_computed_tokens
             n = min(req.num_tokens + req.num_inflight - computed, budget)
-            if (computed + n + bs - 1) // bs > len(req.block_ids):
+            if self.kv.blocks_needed(req, n) > 0:
                 if not self.kv.allocate_slots(req, n):
                     if not self._make_room(req, n, chosen):
                         continue

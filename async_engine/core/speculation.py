@@ -29,8 +29,9 @@ from async_engine.core.step_times import StepTimes
 from streams.drafting.config import SpeculativeConfig
 from streams.plan import StepPlan, StepResult
 
-PRIOR_DRAFTS = 8  # how many drafts' worth the engine-wide rate weighs in a row's estimate
-START_RATE = 0.5  # the engine-wide rate before anything was verified
+PRIOR_DRAFTS = 8  # how many drafts' worth an even chance weighs in a row's estimate
+PRIOR_RATE = 0.5
+WINDOW = 64  # past this many drafts a row's counts are halved: old evidence fades
 
 
 @dataclass(slots=True)
@@ -76,9 +77,8 @@ class Speculation:
 
     def _rates(self, rows: np.ndarray) -> np.ndarray:
         """Each row's expected share of drafts kept."""
-        overall = self.stats.acceptance_rate if self.stats.num_draft_tokens else START_RATE
         t = self.table
-        return (t.kept[rows] + PRIOR_DRAFTS * overall) / (t.drafted[rows] + PRIOR_DRAFTS)
+        return (t.kept[rows] + PRIOR_DRAFTS * PRIOR_RATE) / (t.drafted[rows] + PRIOR_DRAFTS)
 
     def _worth(self, rates: np.ndarray, batch: int) -> np.ndarray:
         """The largest k per row whose last slot is worth its cost (see the module's doc)."""
@@ -112,6 +112,10 @@ class Speculation:
         t, stats = self.table, self.stats
         t.drafted[rows] += drafted
         t.kept[rows] += kept
+        full = rows[t.drafted[rows] > WINDOW]
+        if len(full):
+            t.drafted[full] //= 2
+            t.kept[full] //= 2
         verified = drafted > 0
         stats.num_drafts += int(verified.sum())
         stats.num_draft_tokens += int(drafted.sum())

@@ -17,7 +17,7 @@ from itertools import repeat
 
 import numpy as np
 
-from async_engine.core.request import FinishReason, Request
+from async_engine.core.request import FinishReason, Request, RequestStatus
 from async_engine.core.row_table import ALIVE, PLAIN, RowTable
 from streams.plan import StepPlan, StepResult
 
@@ -117,7 +117,8 @@ def _apply_each(
             continue
         table.inflight[row] -= 1
         table.drafts[row] -= k
-        table.computed[row] += count - 1  # the verified drafts' KV
+        if req.status is RequestStatus.RUNNING:  # a preempted request's KV is gone
+            table.computed[row] += count - 1  # the verified drafts' KV
         taken = 0
         for j, token in enumerate(run):
             req.output_ids.append(token)

@@ -22,9 +22,9 @@ import structlog
 
 from async_engine.core.device_host import DeviceHost
 from async_engine.core.emitter import Emitter
+from async_engine.core.loop import StepLoop
 from async_engine.core.request import FinishReason
 from async_engine.core.scheduler import Scheduler
-from async_engine.core.timeline import DeviceTimeline
 from streams.device import DeviceError
 
 log = structlog.get_logger("async_engine")
@@ -97,13 +97,14 @@ class Recovery:
         host: DeviceHost,
         scheduler: Scheduler,
         emitter: Emitter,
-        timeline: DeviceTimeline,
+        loop: StepLoop,
     ) -> None:
         self.supervisor = supervisor
         self.host = host
         self.scheduler = scheduler
         self.emitter = emitter
-        self.timeline = timeline
+        self.loop = loop  # it ends requests
+        self.timeline = loop.timeline
         self.fatal_error: BaseException | None = None
         self.stopped = asyncio.Event()  # set when the engine stops for good
 
@@ -181,5 +182,5 @@ class Recovery:
             self.emitter.emit(req)
         for req in list(self.scheduler.requests.values()):
             if not req.finished:
-                self.emitter.end(req, reason)
+                self.loop.end(req, reason)
         self.stopped.set()

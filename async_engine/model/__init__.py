@@ -7,6 +7,7 @@ imported lazily by the functions that convert GGUF files.
 from .attention import paged_attention
 from .attention_plan import AttentionPlan
 from .config import ModelConfig, RopeScaling
+from .draft_check import check_draft_model
 from .gguf_cache import default_cache_dir
 from .llama import KVCache, LlamaModel, rope_inv_freq
 from .loader import build_model, init_dummy_weights, load_model_config, resolve_model
@@ -18,6 +19,7 @@ __all__ = [
     "ModelConfig",
     "RopeScaling",
     "build_model",
+    "check_draft_model",
     "default_cache_dir",
     "init_dummy_weights",
     "load_model_config",

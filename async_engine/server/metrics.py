@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from async_engine.core.request import FinishReason, Request
 from async_engine.server.histograms import BulkHistogram
+from async_engine.server.spec_metrics import SpeculationMetrics
 from async_engine.server.tenant_labels import TenantLabels
 
 if TYPE_CHECKING:
@@ -126,6 +127,7 @@ class ServerMetrics:
         self.fragmentation = gauge(
             "async_engine:kv_fragmentation", "Share of allocated KV slots holding no token"
         )
+        self.speculation = SpeculationMetrics(reg, model_name)
         self.tenant_e2e = histogram(
             "async_engine:tenant_e2e_request_latency_seconds",
             "End-to-end request latency by tenant",
@@ -253,6 +255,7 @@ class ServerMetrics:
         self.device_up.labels(name).set(stats.device_state == "serving")
         self.engine_requests.labels(name).set(len(engine.scheduler.requests))
         self.engine_streams.labels(name).set(engine.num_streams)
+        self.speculation.refresh(stats)
         for key, counter, value in (
             ("preemptions", self.preemptions, stats.num_preemptions),
             ("wasted", self.wasted, stats.wasted_tokens),

@@ -33,7 +33,9 @@ class SuffixDrafter:
         self.max_cached = max_cached_requests
         self.factor = max_spec_factor
         self.min_prob = min_token_prob
-        self._sequences: dict[object, np.ndarray] = {}  # ("row", r) live, ("done", n) ended
+        # ("row", r, n): the n-th request on row r, live; ("done", n): the n-th that ended
+        self._sequences: dict[object, np.ndarray] = {}
+        self._live: dict[int, tuple] = {}  # row -> its live key
         self._indexed: dict[object, int] = {}  # tokens of each sequence in the index
         self._index: defaultdict[tuple[int, int], list[tuple[object, int]]] = defaultdict(list)
         self._finished: OrderedDict[object, None] = OrderedDict()  # oldest first
@@ -43,7 +45,10 @@ class SuffixDrafter:
     def propose(self, rows: list[int], tokens: list[np.ndarray], ks: list[int]) -> list[np.ndarray]:
         out = []
         for row, seq, k in zip(rows, tokens, ks, strict=True):
-            key = ("row", row)
+            key = self._live.get(row)
+            if key is None:
+                self._ended += 1
+                key = self._live[row] = ("row", row, self._ended)
             self._sequences[key] = seq
             self._extend_index(key, seq)
             out.append(self._draft(key, seq, k))
@@ -51,7 +56,7 @@ class SuffixDrafter:
 
     def release(self, row: int, tokens: np.ndarray) -> None:
         """The row's sequence joins the finished ones (the oldest are forgotten)."""
-        live = ("row", row)
+        live = self._live.pop(row, None)
         self._sequences.pop(live, None)
         self._indexed.pop(live, None)
         if self.max_cached == 0 or len(tokens) < 2:

@@ -17,7 +17,7 @@ from sampler.sampler import Positions, Sample, Sampler
 from streams.drafting.base import Drafter
 from streams.grammar import GrammarRows
 from streams.plan import StepPlan
-from streams.rows import RowState
+from streams.rows import RowState, StepLayout
 
 TOKEN_WINDOW = 64  # positions a row's token buffer holds: > steps in flight x tokens a step
 
@@ -78,19 +78,34 @@ class DeviceRows:
                 [self.tokens, self.tokens.new_zeros((rows - have) * TOKEN_WINDOW)]
             )
 
-    def sample(self, logits: torch.Tensor, at: Positions) -> Sample:
+    def constrained(self, rows: np.ndarray) -> bool:
+        return bool(self.grammars.matchers) and any(
+            r in self.grammars.matchers for r in rows.tolist()
+        )
+
+    def sample(self, logits: torch.Tensor, at: Positions, layout: StepLayout) -> Sample:
         """Sample the positions (on the compute stream); a step with a constrained row waits
-        for its tokens on the host."""
-        rows = at.rows.tolist()
-        if not any(r in self.grammars.matchers for r in rows):
+        for its tokens on the host. A verifying step's matchers advance once the rows'
+        emitted tokens are known (``advance_grammars``)."""
+        if not self.constrained(layout.sample_rows):
             return self.sampler.sample(logits, at)
         # A constrained row: its mask needs the matcher, which needs its last token on the
         # host. Earlier steps with this row were synchronous too, so the matcher is current.
         logits = logits.clone()
+        rows = layout.sample_rows.tolist()
+        if layout.verifying:
+            offsets, drafts = layout.sample_offsets.tolist(), layout.next_drafts.tolist()
+            self.grammars.constrain_runs(logits, rows, offsets, drafts)
+            return self.sampler.sample(logits, at)
         picked = self.grammars.constrain(logits, rows)
         sample = self.sampler.sample(logits, at)
         self.grammars.advance(rows, picked, sample.tokens.tolist())
         return sample
+
+    def advance_grammars(self, rows: np.ndarray, tokens: list[int]) -> None:
+        """A verifying step's emitted tokens (``rows``: each one's row) into the matchers."""
+        if self.constrained(rows):
+            self.grammars.advance_runs(rows.tolist(), tokens)
 
 
 def token_slots(rows: np.ndarray, positions: np.ndarray) -> np.ndarray:

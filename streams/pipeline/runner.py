@@ -234,7 +234,7 @@ class PipelinedRunner:
             keep: tuple = ()
             wanted: list[int | None] = []
             if len(layout.sample_rows):
-                sample = rows.sample(logits, _positions(layout, dev))
+                sample = rows.sample(logits, _positions(layout, dev), layout)
                 tokens, wanted = sample.tokens, sample.wanted
                 cuda_kernels.scatter_tokens(rows.tokens, dev["sample_slots"], tokens)
                 if layout.verifying:
@@ -271,6 +271,7 @@ class PipelinedRunner:
         targets = sample.tokens.cpu().numpy()
         counts = emitted_counts(targets, layout.next_drafts, layout.sample_offsets, nsampled)
         kept = _kept(layout, counts)
+        self.rows.advance_grammars(layout.sample_rows[kept], targets[kept].tolist())
         index = torch.from_numpy(np.flatnonzero(kept)).to(sample.tokens.device)
         tokens = sample.tokens.index_select(0, index)
         self.rows.sampler.record(

@@ -1,0 +1,182 @@
+"""`async-engine bench spec`: speculation off against each drafter, at each batch size.
+
+Two workloads: an agent-like one (tool loops whose answers quote the conversation,
+``bench/agent_workload.py``; on the simulated device, text that quotes itself at
+``--agent-repeat``) and the offline bench's plain one (random prompts: nothing to draft).
+Each method gets one engine, warmed up, that runs every batch size in turn: ``batch``
+requests at a time (a new one starts as one ends), overlap on. All figures come from one
+run and are printed as ratios to speculation off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+from async_engine.bench.agent_workload import conversations
+from async_engine.bench.cpu_info import cpu_info, describe
+from async_engine.bench.spec_table import agreement, print_tables
+from async_engine.core.workload import Workload
+from sampler.params import SamplingParams
+
+SPEC_KEYS = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
+
+
+async def run_batch(
+    engine: Any, prompts: list[list[int]], params: SamplingParams, batch: int
+) -> dict:
+    """Every prompt through ``engine``, ``batch`` at a time; the figures of the run."""
+    gate = asyncio.Semaphore(batch)
+    before = engine.stats().as_dict()
+    engine.timeline.reset(window=1_000_000)
+
+    async def one(prompt: list[int]) -> Any:
+        async with gate:
+            req = engine.add_request(prompt, params, detokenize=False)
+            try:
+                async for _ in engine.stream(req):
+                    pass
+            finally:
+                engine.release(req)
+            return req
+
+    start = time.perf_counter()
+    reqs = await asyncio.gather(*(one(p) for p in prompts))
+    wall = time.perf_counter() - start
+    after = engine.stats().as_dict()
+    tokens = sum(len(r.output_ids) for r in reqs)
+    gaps, tpot = [], []
+    for r in reqs:
+        times = sorted(set(r.token_times))  # tokens of one step arrive together: one chunk
+        gaps += np.diff(times).tolist()
+        if len(r.output_ids) > 1 and r.finished_time and r.first_token_time:
+            tpot.append((r.finished_time - r.first_token_time) / (len(r.output_ids) - 1))
+    delta = {k: after[k] - before[k] for k in SPEC_KEYS}
+    return {
+        "tokens": tokens,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall,
+        "itl_ms": _percentiles(gaps),
+        "tpot_ms": _percentiles(tpot),
+        "acceptance": delta["spec_num_accepted_tokens"] / max(1, delta["spec_num_draft_tokens"]),
+        "accepted_length": 1 + delta["spec_num_accepted_tokens"] / max(1, delta["spec_num_drafts"]),
+        "device_idle": engine.timeline.idle_fraction(),
+        "outputs": [list(r.output_ids) for r in reqs],
+    }
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": float("nan"), "p95": float("nan")}
+    ms = np.array(values) * 1e3
+    return {"p50": float(np.percentile(ms, 50)), "p95": float(np.percentile(ms, 95))}
+
+
+async def run_method(
+    options: dict[str, Any],
+    prompts: list[list[int]],
+    params: SamplingParams,
+    batches: list[int],
+    min_requests: int,
+) -> dict[int, dict]:
+    from async_engine.core.engine import AsyncEngine
+
+    engine = AsyncEngine(**options)
+    try:
+        warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        await run_batch(engine, prompts[-2:], warm, 2)
+        # Prompts no earlier batch size ran: a drafter that remembers finished requests
+        # (suffix) must not find this run's answers there.
+        out, at = {}, 0
+        for batch in batches:
+            count = max(min_requests, 2 * batch)
+            out[batch] = await run_batch(engine, prompts[at : at + count], params, batch)
+            at += count
+        return out
+    finally:
+        await engine.aclose()
+
+
+def workload_prompts(name: str, options: dict[str, Any], count: int, seed: int) -> list[list[int]]:
+    from async_engine.core.tokenizer import Tokenizer
+    from async_engine.model import load_model_config, resolve_model
+
+    folder = resolve_model(options["model"])
+    if name == "plain":
+        return Workload(count, 20, 300, 64, seed).prompts(load_model_config(folder).vocab_size)
+    tokenizer = Tokenizer(folder)
+    return [tokenizer.apply_chat_template(c) for c in conversations(count, seed)]
+
+
+def cmd_spec(args: argparse.Namespace) -> int:
+    from async_engine.cli.options import engine_options
+    from async_engine.core.config import EngineConfig
+
+    options = engine_options(args)
+    options["speculative_config"] = None
+    config = EngineConfig(**options)
+    options["dtype"] = dtype = config.resolved_dtype()
+    sim = config.resolved_device() == "sim"
+    batches = [int(b) for b in args.batches.split(",")]
+    methods = ["off", *[m for m in args.methods.split(",") if m]]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    print(describe(cpu_info(config.resolved_device())))
+    print(
+        f"dtype {dtype}; batches {batches}; {args.max_tokens} new tokens each, greedy; "
+        f"k = {args.num_speculative_tokens}; at least {args.min_requests} requests a batch size"
+    )
+    results: dict[str, dict[str, dict[int, dict]]] = {}
+    for workload in args.workloads.split(","):
+        needed = sum(max(args.min_requests, 2 * b) for b in batches) + 2
+        prompts = workload_prompts(workload, options, needed, args.workload_seed)
+        per_method = {}
+        for method in methods:
+            run_options = dict(options)
+            if sim and workload == "agent":
+                run_options["sim_repeat"] = args.agent_repeat
+            if method != "off":
+                speculative = {
+                    "method": method,
+                    "num_speculative_tokens": args.num_speculative_tokens,
+                }
+                if method == "draft_model":
+                    speculative["model"] = args.draft_model
+                run_options["speculative_config"] = speculative
+            per_method[method] = asyncio.run(
+                run_method(run_options, prompts, params, batches, args.min_requests)
+            )
+        results[workload] = per_method
+    print_tables(results, float32=dtype == "float32")
+    if args.json:
+        slim = {
+            w: {m: {b: {k: v for k, v in r.items() if k != "outputs"} for b, r in runs.items()}
+                for m, runs in per.items()}
+            for w, per in results.items()
+        }  # fmt: skip
+        agree = {w: agreement(per) for w, per in results.items()}
+        with open(args.json, "w") as f:
+            json.dump({"runs": slim, "agreement": agree}, f, indent=2)
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--methods", default="ngram,suffix", help="drafters to compare with off")
+    p.add_argument("--batches", default="1,4,16,64,256", help="requests at a time")
+    p.add_argument("--workloads", default="agent,plain")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--min-requests", type=int, default=8, help="requests per batch size (>= 2x)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--draft-model", default=None, help="the draft_model method's model")
+    p.add_argument(
+        "--agent-repeat",
+        type=float,
+        default=0.7,
+        help="sim device, agent workload: share of output tokens that quote earlier text",
+    )
+    p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the figures to this file")

@@ -1,0 +1,70 @@
+"""`bench spec`'s tables: per workload and batch size, each method's tokens/s and ratio to
+speculation off, inter-token latency, acceptance, accepted length and device idle; and how
+far each method's greedy tokens agree with off's (exactly, in float32; in bf16 a verify
+forward over several tokens may round differently from one token at a time)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def agreement(per_method: dict[str, dict[int, dict]]) -> dict[str, dict[str, Any]]:
+    """Per method: the share of token positions equal to off's, and the earliest index where
+    a request's tokens first differ (None: none differ), over every batch size."""
+    off = per_method["off"]
+    out = {}
+    for method, runs in per_method.items():
+        if method == "off":
+            continue
+        same = total = 0
+        first: int | None = None
+        for batch, run in runs.items():
+            for want, got in zip(off[batch]["outputs"], run["outputs"], strict=True):
+                n = min(len(want), len(got))
+                diffs = [i for i in range(n) if want[i] != got[i]]
+                total += n
+                if diffs:
+                    same += diffs[0]  # what follows a first difference is another text
+                    first = diffs[0] if first is None else min(first, diffs[0])
+                else:
+                    same += n
+        out[method] = {"agreement": same / total if total else 1.0, "first_difference": first}
+    return out
+
+
+def print_tables(results: dict[str, dict[str, dict[int, dict]]], float32: bool) -> None:
+    for workload, per_method in results.items():
+        methods = list(per_method)
+        batches = list(per_method["off"])
+        print(f"\n{workload} workload")
+        header = f"{'batch':>6} " + "".join(f"{m:>30}" for m in methods)
+        print(header)
+        for batch in batches:
+            off = per_method["off"][batch]["tokens_per_s"]
+            cells = []
+            for method in methods:
+                run = per_method[method][batch]
+                ratio = run["tokens_per_s"] / off if off else float("nan")
+                cell = f"{run['tokens_per_s']:9.1f} tok/s"
+                cell += "" if method == "off" else f" ({ratio:4.2f}x)"
+                cells.append(f"{cell:>30}")
+            print(f"{batch:>6} " + "".join(cells))
+        print(f"{'':>6} ITL p50/p95 ms, TPOT p50 ms, accepted share and length, device idle")
+        for batch in batches:
+            cells = []
+            for method in methods:
+                run = per_method[method][batch]
+                itl, tpot = run["itl_ms"], run["tpot_ms"]
+                cell = f"{itl['p50']:.1f}/{itl['p95']:.1f} {tpot['p50']:.1f}"
+                if method != "off":
+                    cell += f" {run['acceptance']:.2f} {run['accepted_length']:.2f}"
+                cell += f" {100 * run['device_idle']:.1f}%"
+                cells.append(f"{cell:>30}")
+            print(f"{batch:>6} " + "".join(cells))
+        for method, agree in agreement(per_method).items():
+            first = agree["first_difference"]
+            where = "identical" if first is None else f"first differs at token {first}"
+            note = "" if float32 or first is None else " (bf16 rounding)"
+            print(
+                f"  {method}: greedy tokens agree with off on {100 * agree['agreement']:.1f}%, {where}{note}"
+            )

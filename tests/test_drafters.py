@@ -1,0 +1,98 @@
+"""The drafters on their own: what each proposes from a row's tokens (and, for suffix
+decoding, from finished requests)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from streams.drafting.ngram import NgramDrafter
+from streams.drafting.suffix import SuffixDrafter
+
+
+def a(*tokens: int) -> np.ndarray:
+    return np.array(tokens, np.int64)
+
+
+# ------------------------------------------------------------------ ngram
+def test_ngram_drafts_what_followed_the_latest_earlier_occurrence_of_the_suffix():
+    drafter = NgramDrafter(prompt_lookup_min=2, prompt_lookup_max=4)
+    tokens = a(1, 2, 3, 9, 9, 1, 2, 3, 7, 7, 5, 1, 2, 3)
+    assert drafter.lookup(tokens, 3).tolist() == [7, 7, 5]  # the later "1 2 3", not the first
+
+
+def test_ngram_prefers_the_longest_suffix_it_finds():
+    drafter = NgramDrafter(prompt_lookup_min=1, prompt_lookup_max=3)
+    tokens = a(4, 5, 6, 1, 8, 6, 2, 4, 5, 6)  # "6" alone last occurs before 2; "4 5 6" before 1
+    assert drafter.lookup(tokens, 2).tolist() == [1, 8]
+
+
+def test_ngram_needs_a_suffix_of_at_least_its_minimum():
+    drafter = NgramDrafter(prompt_lookup_min=3, prompt_lookup_max=4)
+    assert drafter.lookup(a(1, 2, 9, 9, 1, 2), 3).tolist() == []  # only "1 2" repeats
+    assert drafter.lookup(a(7, 1, 2, 9, 7, 1, 2), 3).tolist() == [9, 7, 1]
+
+
+def test_ngram_drafts_at_most_k_and_nothing_without_a_match():
+    drafter = NgramDrafter(prompt_lookup_min=1, prompt_lookup_max=2)
+    assert drafter.lookup(a(1, 2, 3, 4, 5, 6, 1), 2).tolist() == [2, 3]
+    assert drafter.lookup(a(1, 2, 3), 4).tolist() == []
+    assert [d.tolist() for d in drafter.propose([0, 1], [a(1, 2, 1), a(3)], [2, 2])] == [[2, 1], []]
+
+
+# ------------------------------------------------------------------ suffix decoding
+def suffix(**overrides) -> SuffixDrafter:
+    settings = {"max_tree_depth": 24, "max_cached_requests": 100, "max_spec_factor": 1.0}
+    return SuffixDrafter(**{**settings, "min_token_prob": 0.1, **overrides})
+
+
+def test_suffix_drafts_from_a_finished_request():
+    drafter = suffix()
+    drafter.release(0, a(5, 6, 7, 8, 9, 10, 11, 12))
+    # Another request reaches "6 7 8": what followed it there is drafted, as long as the
+    # match (three tokens) allows at one token of draft per matched token.
+    assert drafter.propose([1], [a(1, 2, 6, 7, 8)], [5])[0].tolist() == [9, 10, 11]
+
+
+def test_suffix_drafts_the_continuation_most_occurrences_agree_on():
+    drafter = suffix(max_spec_factor=4.0)
+    for row, tail in enumerate(([1, 1], [1, 1], [2, 2])):
+        drafter.release(row, a(3, 4, 5, *tail))
+    assert drafter.propose([9], [a(3, 4, 5)], [2])[0].tolist() == [1, 1]
+
+
+def test_suffix_stops_where_no_continuation_has_its_minimum_share():
+    drafter = suffix(max_spec_factor=4.0, min_token_prob=0.6)
+    for row, tail in enumerate(([1, 7], [1, 8], [1, 9])):
+        drafter.release(row, a(3, 4, 5, *tail))
+    assert drafter.propose([9], [a(3, 4, 5)], [3])[0].tolist() == [1]  # then 7, 8, 9: a third each
+
+
+def test_suffix_drafts_from_the_rows_own_earlier_tokens():
+    drafter = suffix()
+    assert drafter.propose([0], [a(1, 2, 3, 4, 9, 2, 3)], [2])[0].tolist() == [4, 9]
+
+
+def test_a_row_taken_by_a_new_request_drafts_nothing_from_the_one_before():
+    drafter = suffix()
+    drafter.propose([0], [a(1, 2, 3, 4, 5, 6, 7, 8, 9, 10)], [2])
+    drafter.release(0, a(1, 2, 3, 4, 5, 6, 7, 8, 9, 10))
+    # The row's new request is short; its old tokens are now a finished request's, still
+    # valid to draft from, never positions past the new request's own tokens.
+    assert drafter.propose([0], [a(40, 41)], [2])[0].tolist() == []
+    assert drafter.propose([0], [a(40, 41, 8, 9)], [1])[0].tolist() == [10]
+
+
+def test_suffix_forgets_the_oldest_finished_requests():
+    drafter = suffix(max_cached_requests=1)
+    drafter.release(0, a(5, 6, 7))
+    drafter.release(1, a(1, 2, 3))
+    assert drafter.propose([2], [a(9, 5, 6)], [1])[0].tolist() == []
+    assert drafter.propose([3], [a(9, 1, 2)], [1])[0].tolist() == [3]
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_suffix_drafts_at_most_k(k):
+    drafter = suffix(max_spec_factor=8.0)
+    drafter.release(0, a(1, 2, 3, 4, 5, 6))
+    assert len(drafter.propose([1], [a(1, 2)], [k])[0]) == k

@@ -1,0 +1,111 @@
+"""How many draft slots a row gets: where extra tokens are nearly free every row gets what
+its acceptance warrants; where every token costs (a compute-bound step) none; a row whose
+drafts fail gets fewer than one whose drafts hold."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from async_engine.core.request import Request
+from async_engine.core.row_table import RowTable
+from async_engine.core.speculation import Speculation
+from async_engine.core.step_times import StepTimes
+from sampler.params import SamplingParams
+from streams.drafting.config import SpeculativeConfig
+from streams.plan import StepPlan, StepResult, int32s, int64s
+
+
+def table_of(count: int, **params) -> tuple[RowTable, np.ndarray]:
+    table = RowTable()
+    for row in range(count):
+        req = Request(f"r{row}", [1, 2, 3], SamplingParams(**params), max_model_len=64)
+        table.attach(req, row)
+    return table, np.arange(count, dtype=np.int64)
+
+
+def times(seconds_by_tokens: dict[int, float]) -> StepTimes:
+    clock = StepTimes()
+    for tokens, seconds in seconds_by_tokens.items():
+        for _ in range(10):
+            clock.observe(tokens, seconds)
+    return clock
+
+
+FLAT = {1: 0.010, 8: 0.0101, 64: 0.0105, 512: 0.02}  # a GPU's decode: weights read once
+LINEAR = {1: 0.001, 8: 0.008, 64: 0.064, 512: 0.512}  # every token costs alike
+
+
+def speculation(table: RowTable, clock: StepTimes, k: int = 4, **config) -> Speculation:
+    return Speculation(SpeculativeConfig("ngram", num_speculative_tokens=k, **config), table, clock)
+
+
+def verified(spec: Speculation, rows: list[int], drafted: int, kept: int) -> None:
+    n = len(rows)
+    plan = StepPlan(
+        0,
+        int32s(rows),
+        int32s([0] * n),
+        int32s([1] * n),
+        int32s([1 + drafted] * n),
+        int64s([0] * n),
+    )
+    result = StepResult(0, np.zeros(n * (kept + 1), np.int64))
+    result.counts = np.full(n, kept + 1, np.int32)
+    result.drafted = np.full(n, drafted, np.int32)
+    spec.observe(plan, result)
+
+
+def test_where_extra_tokens_are_nearly_free_every_row_gets_every_slot():
+    table, rows = table_of(8)
+    assert speculation(table, times(FLAT)).slots(rows).tolist() == [4] * 8
+
+
+def test_where_every_token_costs_alike_no_row_gets_a_slot():
+    table, rows = table_of(8)
+    assert speculation(table, times(LINEAR)).slots(rows).tolist() == [0] * 8
+
+
+def test_a_row_whose_drafts_fail_gets_fewer_slots_than_one_whose_drafts_hold():
+    table, rows = table_of(2)
+    clock = times({1: 0.010, 2: 0.0105, 4: 0.0115, 8: 0.0135, 16: 0.0175})  # tokens cost some
+    spec = speculation(table, clock, k=8)
+    for _ in range(6):
+        verified(spec, [0], drafted=8, kept=8)
+        verified(spec, [1], drafted=8, kept=0)
+    good, bad = spec.slots(rows).tolist()
+    assert good > bad >= 0
+
+
+def test_a_row_whose_drafts_failed_still_tries_one_where_slots_are_cheap():
+    table, rows = table_of(1)
+    spec = speculation(table, times(FLAT))
+    for _ in range(20):
+        verified(spec, [0], drafted=4, kept=0)
+    assert spec.slots(rows).tolist()[0] >= 1
+
+
+def test_requests_that_opt_out_get_no_slots():
+    table, rows = table_of(3, speculate=False)
+    assert speculation(table, times(FLAT)).slots(rows).tolist() == [0, 0, 0]
+
+
+def test_no_slots_in_a_step_with_more_rows_than_disable_by_batch_size():
+    table, rows = table_of(5)
+    spec = speculation(table, times(FLAT), disable_by_batch_size=4)
+    assert spec.slots(rows).tolist() == [0] * 5
+    assert spec.slots(rows[:4]).tolist() == [4] * 4
+
+
+def test_without_adaptive_every_row_gets_every_slot():
+    table, rows = table_of(4)
+    assert speculation(table, times(LINEAR), adaptive=False).slots(rows).tolist() == [4] * 4
+
+
+def test_observe_counts_drafts_and_accepted_tokens_by_position():
+    table, _ = table_of(2)
+    spec = speculation(table, times(FLAT))
+    verified(spec, [0, 1], drafted=4, kept=2)
+    stats = spec.stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 8, 4)
+    assert stats.accepted_per_position == [2, 2, 0, 0]
+    assert stats.acceptance_rate == 0.5 and stats.mean_accepted_length == 3.0
