@@ -65,7 +65,7 @@ def test_speculation_under_chunked_prefill_preemption_and_prefix_hits(default_mo
     """Six requests sharing a long prefix, a 48-token budget (prompts in chunks) and a pool
     too small for all of them at once (preemption), the second round hitting the cache."""
     prompts = [QUOTING + f"Call {i}: " for i in range(6)]
-    options = {**CPU, "num_kv_blocks": 40, "max_num_batched_tokens": 48, "block_size": 16}
+    options = {**CPU, "num_kv_blocks": 24, "max_num_batched_tokens": 48, "block_size": 16}
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     plain, _ = generate(default_model, prompts * 2, params, **options)
     got, stats = generate(

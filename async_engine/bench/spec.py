@@ -16,10 +16,9 @@ import json
 import time
 from typing import Any
 
-import numpy as np
-
 from async_engine.bench.agent_workload import conversations
 from async_engine.bench.cpu_info import cpu_info, describe
+from async_engine.bench.load import percentiles
 from async_engine.bench.spec_table import agreement, print_tables
 from async_engine.core.workload import Workload
 from sampler.params import SamplingParams
@@ -53,7 +52,7 @@ async def run_batch(
     gaps, tpot = [], []
     for r in reqs:
         times = sorted(set(r.token_times))  # tokens of one step arrive together: one chunk
-        gaps += np.diff(times).tolist()
+        gaps += [b - a for a, b in zip(times, times[1:], strict=False)]
         if len(r.output_ids) > 1 and r.finished_time and r.first_token_time:
             tpot.append((r.finished_time - r.first_token_time) / (len(r.output_ids) - 1))
     delta = {k: after[k] - before[k] for k in SPEC_KEYS}
@@ -71,10 +70,8 @@ async def run_batch(
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"p50": float("nan"), "p95": float("nan")}
-    ms = np.array(values) * 1e3
-    return {"p50": float(np.percentile(ms, 50)), "p95": float(np.percentile(ms, 95))}
+    pick = percentiles([v * 1e3 for v in values])
+    return {"p50": pick["p50"], "p95": pick["p95"]}
 
 
 async def run_method(

@@ -136,9 +136,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _return_large_frees_to_the_os() -> None:
-    """glibc raises its mmap threshold each time a large block is freed, so after a few
-    refused 4 MB messages such buffers come from the heap and their memory stays with the
-    process (measured: +35 MB RSS after 20 of them, +4 MB with a fixed 1 MiB threshold)."""
+    """Refused 4 MB messages must leave no memory behind. glibc raises its mmap threshold
+    each time a large block is freed, so after a few such messages their buffers come from
+    the heap and stay with the process (measured: +35 MB RSS after 20 of them, +4 MB with a
+    fixed 1 MiB threshold). gRPC reads a message in small slices on whichever of its
+    threads is polling, and each thread's own arena keeps the freed slices: +8 to +20 MB
+    after 20 refusals with the default arenas (8 per core), +0.2 MB with two."""
     import ctypes
     import ctypes.util
 
@@ -147,6 +150,7 @@ def _return_large_frees_to_the_os() -> None:
         libc = ctypes.CDLL(name) if name else None
         if libc is not None and hasattr(libc, "mallopt"):
             libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: fixed, not adaptive
+            libc.mallopt(-8, 2)  # M_ARENA_MAX
     except OSError:
         pass  # not glibc: nothing to tune
 
