@@ -27,6 +27,7 @@ class ProfileRun:
     report: Report
     tokens: int
     seconds: float
+    speculation: str | None = None  # what speculative decoding did, where it ran
 
     @property
     def tokens_per_s(self) -> float:
@@ -57,6 +58,7 @@ def run_profile(
         _check_fits(llm, workload)
         prompts = workload.prompts(llm.engine.model_config.vocab_size)
         _warm_up(llm, prompts)
+        before = llm.stats().as_dict()
         tracer = StepTracer.attach(llm.engine)
         if cuda_window:
             profiler_start()
@@ -69,9 +71,41 @@ def run_profile(
                 profiler_stop()
             llm.engine.observer = None
             tracer.close()
+        after = llm.stats().as_dict()
     trace = tracer.snapshot()
     tokens = sum(len(o.token_ids) for o in outs)
-    return ProfileRun(options.get("overlap", True), trace, analyze(trace), tokens, seconds)
+    overlap = options.get("overlap", True)
+    run = ProfileRun(overlap, trace, analyze(trace), tokens, seconds)
+    run.speculation = speculation_summary(before, after)
+    return run
+
+
+def speculation_summary(before: dict[str, Any], after: dict[str, Any]) -> str | None:
+    """Acceptance, mean accepted length and the verify steps' extra device time between two
+    ``stats()``; None where nothing was verified."""
+    delta = {
+        k: after.get(k, 0) - before.get(k, 0)
+        for k in (
+            "spec_num_drafts",
+            "spec_num_draft_tokens",
+            "spec_num_accepted_tokens",
+            "spec_verify_steps",
+            "spec_verify_device_seconds",
+            "spec_verify_extra_device_seconds",
+        )
+    }
+    steps = delta["spec_verify_steps"]
+    if not steps:
+        return None
+    drafted, kept = delta["spec_num_draft_tokens"], delta["spec_num_accepted_tokens"]
+    length = 1 + kept / delta["spec_num_drafts"] if delta["spec_num_drafts"] else 1.0
+    extra = delta["spec_verify_extra_device_seconds"]
+    return (
+        f"acceptance {kept / drafted if drafted else 0.0:.2f} ({kept} of {drafted} drafts), "
+        f"mean accepted length {length:.2f}; {steps} verify steps, "
+        f"{1e3 * delta['spec_verify_device_seconds'] / steps:.2f} ms each on the device, "
+        f"{1e3 * extra / steps:+.2f} ms beyond the same steps without drafts"
+    )
 
 
 @dataclass(slots=True)

@@ -294,6 +294,25 @@ def test_profile_writes_trace_timeline_and_report(tiny_model, tmp_path, capsys):
     assert "who the device waited on" in (tmp_path / "report.txt").read_text()
 
 
+def test_profile_reports_what_speculation_did(tmp_path, capsys):
+    from async_engine.cli.main import main
+
+    argv = "profile --device sim --sim-step-ms 0.3 --sim-token-us 0 --sim-seq-us 0"
+    argv += " --sim-ctx-ns 0 --sim-repeat 0.9 --steps 32 --requests 2 --out"
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "adaptive": false}'
+    assert main([*argv.split(), str(tmp_path), "--speculative-config", spec]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("speculation:"))
+    assert "acceptance" in line and "mean accepted length" in line and "verify steps" in line
+    assert line in (tmp_path / "report.txt").read_text()
+
+
+def test_profile_without_speculation_says_nothing_of_it(tiny_model, tmp_path, capsys):
+    from async_engine.cli.main import main
+
+    assert main(profile_args(tiny_model, tmp_path)) == 0
+    assert "speculation:" not in capsys.readouterr().out
+
+
 def test_profile_compare_runs_both_modes_side_by_side(tiny_model, tmp_path, capsys):
     from async_engine.cli.main import main
 

@@ -5,6 +5,7 @@ drafts fail gets fewer than one whose drafts hold."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from async_engine.core.request import Request
 from async_engine.core.row_table import RowTable
@@ -109,3 +110,16 @@ def test_observe_counts_drafts_and_accepted_tokens_by_position():
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 8, 4)
     assert stats.accepted_per_position == [2, 2, 0, 0]
     assert stats.acceptance_rate == 0.5 and stats.mean_accepted_length == 3.0
+
+
+def test_a_verify_steps_extra_device_time_is_beyond_the_same_step_without_drafts():
+    table, _ = table_of(8)
+    spec = speculation(table, times(LINEAR))  # 1 ms per token
+    plan = StepPlan(0, int32s(range(8)), int32s([3] * 8), int32s([4] * 8), int32s([4] * 8),
+                    int64s([0] * 32))  # fmt: skip
+    result = StepResult(0, np.zeros(16, np.int64), None, None, 1.0, 1.040)  # 40 ms on device
+    result.counts = np.full(8, 2, np.int32)
+    result.drafted = np.full(8, 3, np.int32)
+    spec.observe(plan, result)
+    assert spec.stats.verify_device_seconds == pytest.approx(0.040)
+    assert spec.stats.verify_extra_device_seconds == pytest.approx(0.040 - 0.008)

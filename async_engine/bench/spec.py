@@ -66,6 +66,7 @@ async def run_batch(
         "accepted_length": 1 + delta["spec_num_accepted_tokens"] / max(1, delta["spec_num_drafts"]),
         "device_idle": engine.timeline.idle_fraction(),
         "outputs": [list(r.output_ids) for r in reqs],
+        "prompts": prompts,
     }
 
 
@@ -99,6 +100,33 @@ async def run_method(
         await engine.aclose()
 
 
+async def first_difference_margins(
+    options: dict[str, Any], differences: list[tuple[list[int], int]]
+) -> list[float]:
+    """The top-2 logprob margin of speculation-off decoding at each ``(prompt, index)`` where
+    a method's greedy tokens first differ from off's: near 0, a rounding tie."""
+    from async_engine.core.engine import AsyncEngine
+
+    engine = AsyncEngine(**{**options, "speculative_config": None})
+    try:
+        margins = []
+        for prompt, index in differences:
+            params = SamplingParams(
+                temperature=0.0, max_tokens=index + 1, ignore_eos=True, logprobs=2
+            )
+            req = engine.add_request(prompt, params, detokenize=False)
+            try:
+                async for _ in engine.stream(req):
+                    pass
+            finally:
+                engine.release(req)
+            top = req.output_top_logprobs[index]
+            margins.append(top[0][1] - top[1][1] if len(top) > 1 else float("inf"))
+        return margins
+    finally:
+        await engine.aclose()
+
+
 def workload_prompts(name: str, options: dict[str, Any], count: int, seed: int) -> list[list[int]]:
     from async_engine.core.tokenizer import Tokenizer
     from async_engine.model import load_model_config, resolve_model
@@ -128,6 +156,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
         f"k = {args.num_speculative_tokens}; at least {args.min_requests} requests a batch size"
     )
     results: dict[str, dict[str, dict[int, dict]]] = {}
+    margins: dict[str, dict[str, list[float]]] = {}
     for workload in args.workloads.split(","):
         needed = sum(max(args.min_requests, 2 * b) for b in batches) + 2
         prompts = workload_prompts(workload, options, needed, args.workload_seed)
@@ -148,16 +177,27 @@ def cmd_spec(args: argparse.Namespace) -> int:
                 run_method(run_options, prompts, params, batches, args.min_requests)
             )
         results[workload] = per_method
-    print_tables(results, float32=dtype == "float32")
+        if not sim:
+            margins[workload] = {
+                method: asyncio.run(first_difference_margins(options, agree["differences"]))
+                for method, agree in agreement(per_method).items()
+                if agree["differences"]
+            }
+    print_tables(results, float32=dtype == "float32", margins=margins)
     if args.json:
         slim = {
-            w: {m: {b: {k: v for k, v in r.items() if k != "outputs"} for b, r in runs.items()}
+            w: {m: {b: {k: v for k, v in r.items() if k not in ("outputs", "prompts")}
+                    for b, r in runs.items()}
                 for m, runs in per.items()}
             for w, per in results.items()
         }  # fmt: skip
-        agree = {w: agreement(per) for w, per in results.items()}
+        agree = {
+            w: {m: {k: v for k, v in a.items() if k != "differences"}
+                for m, a in agreement(per).items()}
+            for w, per in results.items()
+        }  # fmt: skip
         with open(args.json, "w") as f:
-            json.dump({"runs": slim, "agreement": agree}, f, indent=2)
+            json.dump({"runs": slim, "agreement": agree, "margins": margins}, f, indent=2)
     return 0
 
 
@@ -172,8 +212,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--agent-repeat",
         type=float,
-        default=0.7,
-        help="sim device, agent workload: share of output tokens that quote earlier text",
+        default=0.9,
+        help="sim device, agent workload: share of output tokens that quote earlier text"
+        " (0.9: agent turns repeat over 90%% of the turn before)",
     )
     p.add_argument("--workload-seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the figures to this file")

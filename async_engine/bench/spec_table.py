@@ -18,21 +18,41 @@ def agreement(per_method: dict[str, dict[int, dict]]) -> dict[str, dict[str, Any
             continue
         same = total = 0
         first: int | None = None
+        differences = []  # (prompt, index of the first token that differs)
         for batch, run in runs.items():
-            for want, got in zip(off[batch]["outputs"], run["outputs"], strict=True):
+            pairs = zip(off[batch]["outputs"], run["outputs"], run["prompts"], strict=True)
+            for want, got, prompt in pairs:
                 n = min(len(want), len(got))
                 diffs = [i for i in range(n) if want[i] != got[i]]
                 total += n
                 if diffs:
                     same += diffs[0]  # what follows a first difference is another text
                     first = diffs[0] if first is None else min(first, diffs[0])
+                    differences.append((prompt, diffs[0]))
                 else:
                     same += n
-        out[method] = {"agreement": same / total if total else 1.0, "first_difference": first}
+        out[method] = {
+            "agreement": same / total if total else 1.0,
+            "first_difference": first,
+            "differences": differences,
+        }
     return out
 
 
-def print_tables(results: dict[str, dict[str, dict[int, dict]]], float32: bool) -> None:
+def margin_summary(margins: list[float]) -> str:
+    """The top-2 logprob margins where runs first differ: how close to a tie they were."""
+    if not margins:
+        return ""
+    s = sorted(margins)
+    return f"; top-2 margin there: median {s[len(s) // 2]:.3f}, max {s[-1]:.3f} nats"
+
+
+def print_tables(
+    results: dict[str, dict[str, dict[int, dict]]],
+    float32: bool,
+    margins: dict[str, dict[str, list[float]]] | None = None,
+) -> None:
+    """``margins``: per workload and method, the top-2 margins at each first difference."""
     for workload, per_method in results.items():
         methods = list(per_method)
         batches = list(per_method["off"])
@@ -65,6 +85,6 @@ def print_tables(results: dict[str, dict[str, dict[int, dict]]], float32: bool) 
             first = agree["first_difference"]
             where = "identical" if first is None else f"first differs at token {first}"
             note = "" if float32 or first is None else " (bf16 rounding)"
-            print(
-                f"  {method}: greedy tokens agree with off on {100 * agree['agreement']:.1f}%, {where}{note}"
-            )
+            note += margin_summary(((margins or {}).get(workload) or {}).get(method, []))
+            share = 100 * agree["agreement"]
+            print(f"  {method}: greedy tokens agree with off on {share:.1f}%, {where}{note}")

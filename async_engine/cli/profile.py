@@ -99,6 +99,8 @@ def _profile_one(options: dict, workload: Any, out: Path, cuda_window: bool = Fa
         f"prompts of {workload.max_prompt} tokens, ignore_eos",
         "throughput": f"{run.tokens} tokens in {run.seconds:.2f} s = {run.tokens_per_s:.1f} tok/s",
     }
+    if run.speculation is not None:
+        extra["speculation"] = run.speculation
     text = write_exports(run.trace, out, f"overlap {mode}", run.report, extra)
     return text, run
 

@@ -44,6 +44,8 @@ class SpeculationStats:
     accepted_per_position: list[int] = field(default_factory=list)  # kept at draft index j
     verify_steps: int = 0  # steps that verified drafts
     verify_device_seconds: float = 0.0  # their device time
+    # Their device time beyond the step clock's estimate of the same steps without drafts.
+    verify_extra_device_seconds: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -123,5 +125,11 @@ class Speculation:
         per_position = stats.accepted_per_position
         for j in range(len(per_position)):
             per_position[j] += int((kept > j).sum())
+        seconds = result.device_end - result.device_start
         stats.verify_steps += 1
-        stats.verify_device_seconds += result.device_end - result.device_start
+        stats.verify_device_seconds += seconds
+        without = self.times.predict(
+            plan.num_tokens - int(np.maximum(plan.num_sampled - 1, 0).sum())
+        )
+        if without is not None:
+            stats.verify_extra_device_seconds += seconds - without

@@ -41,6 +41,7 @@ class EngineStats:
     spec_mean_accepted_length: float = 0.0  # tokens a verifying row emitted per step
     spec_verify_steps: int = 0
     spec_verify_device_seconds: float = 0.0
+    spec_verify_extra_device_seconds: float = 0.0  # beyond the same steps without drafts
 
     @classmethod
     def collect(
@@ -92,4 +93,5 @@ def _speculation(sched: Scheduler) -> dict[str, Any]:
         "spec_mean_accepted_length": spec.mean_accepted_length,
         "spec_verify_steps": spec.verify_steps,
         "spec_verify_device_seconds": spec.verify_device_seconds,
+        "spec_verify_extra_device_seconds": spec.verify_extra_device_seconds,
     }

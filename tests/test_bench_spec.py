@@ -1,0 +1,52 @@
+"""`bench spec`: speculation off vs each drafter, both workloads, by batch size (its figures
+are for the issue note, not asserted); how it finds where a method's tokens first differ."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from async_engine.bench.spec import first_difference_margins
+from async_engine.bench.spec_table import agreement, margin_summary
+from async_engine.cli.main import main
+
+
+def test_bench_spec_compares_every_method_with_off_on_both_workloads(tmp_path: Path, capsys):
+    out = tmp_path / "spec.json"
+    argv = "bench spec --device sim --sim-step-ms 0.3 --sim-token-us 0 --sim-seq-us 0"
+    argv += " --sim-ctx-ns 0 --batches 1,2 --max-tokens 16 --min-requests 2"
+    assert main([*argv.split(), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    for workload in ("agent", "plain"):
+        runs = report["runs"][workload]
+        assert set(runs) == {"off", "ngram", "suffix"}
+        for method in runs.values():
+            assert set(method) == {"1", "2"}
+            assert all(run["tokens"] == 16 * max(2, 2 * int(b)) for b, run in method.items())
+        for agree in report["agreement"][workload].values():
+            assert agree == {"agreement": 1.0, "first_difference": None}  # exact on the sim
+    assert report["runs"]["agent"]["ngram"]["1"]["accepted_length"] > 1.0  # the text repeats
+    printed = capsys.readouterr().out
+    assert "agent workload" in printed and "plain workload" in printed and "x)" in printed
+
+
+def test_agreement_counts_positions_up_to_each_first_difference():
+    off = {1: {"outputs": [[1, 2, 3, 4], [5, 6, 7, 8]], "prompts": [[9], [10]]}}
+    ngram = {1: {"outputs": [[1, 2, 0, 0], [5, 6, 7, 8]], "prompts": [[9], [10]]}}
+    got = agreement({"off": off, "ngram": ngram})["ngram"]
+    assert got == {"agreement": 6 / 8, "first_difference": 2, "differences": [([9], 2)]}
+
+
+def test_the_margin_at_a_difference_is_offs_gap_between_its_top_two(tiny_model: Path):
+    from async_engine import LLM, SamplingParams
+
+    prompt = [5, 6, 7, 8]
+    options = {"model": str(tiny_model), "device": "cpu", "dtype": "float32"}
+    margins = asyncio.run(first_difference_margins(options, [(prompt, 3)]))
+    with LLM(**options) as llm:
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
+        top = llm.generate([prompt], params)[0].top_logprobs[3]
+    want = top[0][1] - top[1][1]
+    assert len(margins) == 1 and abs(margins[0] - want) < 1e-4 and want >= 0
+    assert "median" in margin_summary(margins) and margin_summary([]) == ""
