@@ -29,11 +29,13 @@ def model_spec(
     memory_share: float = 0.9,
     step_tokens: int = 512,
     drafter: Callable[[], Drafter] | None = None,
+    graph_tokens_per_row: int = 1,
 ) -> DeviceSpec:
     """A device that runs the model: on the CPU with ``threads`` torch threads, or on CUDA,
     through the one model runner (``streams.pipeline.runner``). ``tokenizer_folder`` lets it
     compile grammars for structured output; ``drafter`` builds (in the device process) the
-    drafter of rows that verify drafts."""
+    drafter of rows that verify drafts, whose steps of up to ``graph_tokens_per_row`` tokens
+    a row run in CUDA graphs."""
     if kind not in ("cpu", "cuda"):
         raise ValueError(f"a model device is cpu or cuda, got {kind!r}")
     if num_blocks is None and kind != "cuda":
@@ -51,6 +53,7 @@ def model_spec(
         memory_share,
         step_tokens,
         drafter,
+        graph_tokens_per_row,
     )
     return DeviceSpec(factory, threads if kind == "cpu" else 1)
 

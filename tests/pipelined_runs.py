@@ -45,8 +45,8 @@ def reference_runner(folder: str) -> RecomputeRunner:
     return RecomputeRunner(seeded_model(folder))
 
 
-def pipelined_runner(folder: str, **options) -> PipelinedRunner:
-    return PipelinedRunner(seeded_model(folder), NUM_BLOCKS, BLOCK, MAX_BLOCKS, **options)
+def pipelined_runner(folder: str, block: int = BLOCK, **options) -> PipelinedRunner:
+    return PipelinedRunner(seeded_model(folder), NUM_BLOCKS, block, MAX_BLOCKS, **options)
 
 
 class LookaheadDrafter:
@@ -92,12 +92,18 @@ class Recorded:
 
 
 def walk_both(
-    folder: str, seed: int, steps: int, max_drafts: int = 0, params=PARAMS, **options
+    folder: str,
+    seed: int,
+    steps: int,
+    max_drafts: int = 0,
+    params=PARAMS,
+    block: int = BLOCK,
+    **options,
 ) -> tuple[list, list]:
-    walk = PlanWalk(seed, 160, BLOCK, NUM_BLOCKS, params, max_drafts)
+    walk = PlanWalk(seed, 160, block, NUM_BLOCKS, params, max_drafts)
     reference = reference_runner(folder)
     drafter = LookaheadDrafter(reference) if max_drafts else None
-    runner = pipelined_runner(folder, drafter=drafter, **options)
+    runner = pipelined_runner(folder, block, drafter=drafter, **options)
     return walk_two_deep(walk, reference, runner, steps, drafter)
 
 

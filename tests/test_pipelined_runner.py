@@ -79,6 +79,33 @@ def test_decode_buckets_give_the_references_tokens(tiny):
     assert_same_results(expected, got)
 
 
+@pytest.fixture
+def verify_bucket_steps(monkeypatch) -> list[bool]:
+    """Whether each step through the padded buckets ran several tokens a row."""
+    from streams.pipeline.graphs import DecodeGraphs
+
+    steps: list[bool] = []
+    run = DecodeGraphs.run
+
+    def counted(self, *args, **kwargs):
+        steps.append(len(args) > 7 and args[7] is not None)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeGraphs, "run", counted)
+    return steps
+
+
+def test_verify_buckets_give_the_references_tokens(tiny, verify_bucket_steps):
+    """Rows verifying 1-4 drafts through the padded buckets of 5 tokens a row (eager here;
+    captured on a GPU), two steps in flight."""
+    expected, got = walk_both(
+        tiny, 4, steps=60, max_drafts=4, cuda_graphs=True, eager_buckets=True,
+        graph_tokens_per_row=5,
+    )  # fmt: skip
+    assert sum(verify_bucket_steps) >= 5, "steps of several tokens a row ran in the buckets"
+    assert_same_results(expected, got)
+
+
 def test_placeholder_reads_the_token_sampled_one_step_earlier_on_the_device(tiny):
     runner = pipelined_runner(tiny, cuda_graphs=False)
     greedy = SamplingParams(temperature=0, max_tokens=None)
@@ -189,7 +216,9 @@ def test_the_triton_attention_path_gives_the_references_tokens(tiny, monkeypatch
             )
         )
     reference = RecomputeRunner(seeded_model(tiny))
-    runner = PipelinedRunner(seeded_model(tiny), 16, 16, 4, attention="triton", graph_max_batch=4)
+    runner = PipelinedRunner(
+        seeded_model(tiny), 16, 16, 4, attention="triton", graph_max_batch=4, eager_buckets=True
+    )
     pending = [runner.launch(p) for p in plans[:2]]
     got = [runner.finish(pending.pop(0))]
     for plan in plans[2:]:
@@ -199,6 +228,25 @@ def test_the_triton_attention_path_gives_the_references_tokens(tiny, monkeypatch
     want = [reference.run(p) for p in plans]
     assert [r.error for r in got] == [None] * len(plans)
     assert [list(r.tokens) for r in got] == [list(r.tokens) for r in want]
+
+
+@pytest.mark.parametrize("buckets", [False, True], ids=["varlen", "verify-buckets"])
+def test_rows_of_several_tokens_under_triton_attention_give_the_references_tokens(
+    tiny, monkeypatch, verify_bucket_steps, buckets
+):
+    """Rows verifying 1-4 drafts beside prompt chunks through the Triton kernels under the
+    interpreter: the varlen kernel with several query tokens a row, and the padded verify
+    buckets the CUDA graphs capture."""
+    if interpreted_kernels is None:
+        pytest.skip("triton is not installed")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    options = {"attention": "triton", "graph_max_batch": 8}
+    if buckets:
+        options |= {"cuda_graphs": True, "eager_buckets": True, "graph_tokens_per_row": 5}
+    expected, got = walk_both(tiny, 5, steps=24, max_drafts=4, block=16, **options)
+    assert (sum(verify_bucket_steps) >= 3) == buckets
+    assert max(c for r in expected for c in r.emitted(0).tolist()) > 1  # drafts were kept
+    assert_same_results(expected, got)
 
 
 # ------------------------------------------------------------------ through the engine

@@ -65,6 +65,59 @@ def test_every_bucket_with_padding_equals_the_unpadded_forward(tiny):
             torch.testing.assert_close(k[:blocks], ref[:blocks], atol=0, rtol=0)
 
 
+def test_verify_buckets_pad_rows_of_several_tokens_to_the_unpadded_forward(tiny):
+    """Rows of 1 to 5 tokens (a last token and up to 4 drafts), some near their block table's
+    end: each real token's logits and KV as unpadded; padding writes only the dummy block."""
+    from streams.batch import ForwardBatch
+
+    model = seeded_model(tiny)
+    bs, blocks, width = BLOCK, 200, 8
+    kv = model.allocate_kv_cache(blocks + 1, bs)
+    gen = torch.Generator().manual_seed(1)
+    for k, v in kv:
+        k.normal_(generator=gen)
+        v.normal_(generator=gen)
+    graphs = DecodeGraphs(model, kv, 20, width, blocks, bs, torch.device("cpu"), None, 5)
+    assert graphs.bucket(3, 5) == (4, 5) and graphs.bucket(3, 2) == (4, 5)
+    assert graphs.bucket(3, 6) is None and graphs.bucket(3, 1) == (4, 1)
+    for live in (1, 3, 8, 20):
+        qlens = torch.randint(1, 6, (live,), generator=gen)
+        ctx = torch.randint(1, width * bs - 5, (live,), generator=gen) + qlens
+        ctx[0] = width * bs  # a row whose context ends its block table
+        tables = torch.randperm(blocks, generator=gen)[: live * width].view(live, width)
+        rows_of = torch.repeat_interleave(torch.arange(live), qlens)
+        starts = torch.cumsum(qlens, 0) - qlens
+        pos = ctx[rows_of] - qlens[rows_of] + torch.arange(len(rows_of)) - starts[rows_of]
+        slots = tables[rows_of, pos // bs] * bs + pos % bs
+        ids = torch.randint(0, 160, (len(rows_of),), generator=gen)
+        before = [k.clone() for k, _ in kv]
+        every = torch.arange(len(rows_of))
+        batch = ForwardBatch(ids, pos, slots, qlens.tolist(), ctx.tolist(), tables, every)
+        want = model(batch, kv)
+        written = [k.clone() for k, _ in kv]
+        for (k, _), old in zip(kv, before, strict=True):
+            k.copy_(old)
+        got = graphs.run(
+            ids, pos, slots, ctx, ctx.tolist(), tables, torch.arange(live),
+            qlens.numpy(), qlens, starts,
+        )  # fmt: skip
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for (k, _), ref, old in zip(kv, written, before, strict=True):
+            # The real tokens' KV as unpadded (to rounding: other matmul shapes); every other
+            # slot of a real block untouched: padding wrote only the dummy block.
+            torch.testing.assert_close(k[:blocks], ref[:blocks], atol=1e-5, rtol=1e-5)
+            untouched = (ref == old)[:blocks]
+            assert torch.equal(k[:blocks][untouched], old[:blocks][untouched])
+
+
+def test_verify_buckets_stop_where_their_logits_would_outgrow_the_limit(tiny):
+    model = seeded_model(tiny)
+    kv = model.allocate_kv_cache(9, BLOCK)
+    graphs = DecodeGraphs(model, kv, 80, 4, 8, BLOCK, torch.device("cpu"), None, 5, 100)
+    assert graphs.bucket(16, 5) == (16, 5) and graphs.bucket(24, 5) is None
+    assert graphs.bucket(80, 1) == (80, 1)
+
+
 # ------------------------------------------------------------------ shim and clock
 def test_waiting_on_an_unrecorded_event_is_an_error():
     sync = devsync.for_device("cpu")

@@ -110,6 +110,7 @@ class DeviceHost:
             config.gpu_memory_utilization,
             config.max_num_batched_tokens,
             self._drafter(),
+            self._graph_tokens_per_row(),
         )
 
     def _drafter(self) -> Callable[[], Drafter] | None:
@@ -130,6 +131,11 @@ class DeviceHost:
                 "max_model_len": self.max_model_len,
             }
         return functools.partial(build_drafter, speculative, **draft_model)
+
+    def _graph_tokens_per_row(self) -> int:
+        """A verify step's tokens a row at most: its last token and its drafts."""
+        speculative = self.config.resolved_speculative()
+        return 1 if speculative is None else 1 + speculative.num_speculative_tokens
 
     def _graph_max_batch(self) -> int:
         # The fair policy may run --fair-overflow-seqs over max_num_seqs: graphs cover them.

@@ -35,9 +35,11 @@ class StepForward:
         dummy_block: int,
         block_size: int,
         device: torch.device,
+        tokens_per_row: int = 1,
     ) -> None:
-        """Decode steps of up to ``max_batch`` rows go through the padded buckets, captured as
-        CUDA graphs on ``compute`` where the device can capture."""
+        """Decode steps of up to ``max_batch`` rows, and verify steps of up to
+        ``tokens_per_row`` tokens a row, go through the padded buckets, captured as CUDA
+        graphs on ``compute`` where the device can capture."""
         graphs = DecodeGraphs(
             self.model,
             self.kv_cache,
@@ -47,6 +49,7 @@ class StepForward:
             block_size,
             device,
             self._triton_decode if self.triton else None,
+            tokens_per_row,
         )
         if sync.graph_capable:
             if not self.triton:
@@ -60,18 +63,22 @@ class StepForward:
         """The step's logits; ``dev`` holds its packed sections on the device."""
         context_host = layout.context_lens.tolist()
         row_ids = dev["rows"]
-        decode = bool((layout.query_lens == 1).all() and (layout.num_sampled == 1).all())
         graphs = self.graphs
-        if decode and graphs is not None and graphs.bucket(len(layout.rows)) is not None:
-            return graphs.run(
-                dev["input_ids"],
-                dev["positions"],
-                dev["kv_slots"],
-                dev["context_lens"],
-                context_host,
-                rows.tables,
-                row_ids,
-            )
+        if graphs is not None and _every_token_sampled(layout):
+            longest = int(layout.query_lens.max())
+            if graphs.bucket(len(layout.rows), longest) is not None:
+                return graphs.run(
+                    dev["input_ids"],
+                    dev["positions"],
+                    dev["kv_slots"],
+                    dev["context_lens"],
+                    context_host,
+                    rows.tables,
+                    row_ids,
+                    None if longest == 1 else layout.query_lens,
+                    dev["q_lens"],
+                    dev["q_starts"],
+                )
         tables = rows.tables[:, : max(layout.width, 1)].index_select(0, row_ids)
         attention = None
         if self.triton:
@@ -95,8 +102,15 @@ class StepForward:
         )
         return self.model(batch, self.kv_cache)
 
-    def _triton_decode(self, tables: torch.Tensor, context_lens: torch.Tensor) -> Any:
+    def _triton_decode(self, tables: torch.Tensor, context_lens: torch.Tensor, q: int) -> Any:
+        """A bucket's attention plan: every row runs q tokens (padded to them)."""
         size = tables.shape[0]
-        ones = torch.ones(size, dtype=torch.int64, device=tables.device)
-        starts = torch.arange(size, dtype=torch.int64, device=tables.device)
-        return self.model.device_attention(tables, starts, ones, context_lens, 1, size)
+        lens = torch.full((size,), q, dtype=torch.int64, device=tables.device)
+        starts = torch.arange(0, size * q, q, dtype=torch.int64, device=tables.device)
+        return self.model.device_attention(tables, starts, lens, context_lens, q, size * q)
+
+
+def _every_token_sampled(layout: StepLayout) -> bool:
+    """A decode or verify step: each row samples every token it runs (no prompt chunk), so
+    its logits are every token's, in order."""
+    return len(layout.rows) > 0 and bool((layout.query_lens == layout.num_sampled).all())

@@ -70,6 +70,7 @@ class PipelinedRunner:
         step_tokens: int = 512,  # the largest step, for the memory probe
         drafter: Drafter | None = None,  # proposes the drafts of rows that verify drafts
         eager_buckets: bool = False,  # padded decode buckets without capture (tests, a CPU)
+        graph_tokens_per_row: int = 1,  # verify buckets' tokens a row: 1 + drafts (1: none)
     ) -> None:
         self.model = model
         self.device = torch.device(device)
@@ -110,6 +111,7 @@ class PipelinedRunner:
                 num_blocks,
                 block_size,
                 self.device,
+                graph_tokens_per_row,
             )
         self.sync.synchronize()
         self.clock = EventClock(self.sync)
@@ -362,6 +364,7 @@ def build_pipelined_runner(
     memory_share: float = 0.9,
     step_tokens: int = 512,
     drafter: Callable[[], Drafter] | None = None,
+    graph_tokens_per_row: int = 1,
 ) -> PipelinedRunner:
     """Module level, so a device process can receive it by name inside a partial (with the
     drafter's factory: the drafter is built in the device process)."""
@@ -377,4 +380,5 @@ def build_pipelined_runner(
         memory_share=memory_share,
         step_tokens=step_tokens,
         drafter=None if drafter is None else drafter(),
+        graph_tokens_per_row=graph_tokens_per_row,
     )

@@ -1,0 +1,153 @@
+"""The speculation phase of ``make gpu-check``: greedy tokens identical with and without
+speculative decoding on the device (float32; overlap on with the verify steps in CUDA graphs,
+overlap off, graphs off), then tokens/s with and without it at batch 1, 16 and 64 (bf16,
+reported, not judged).
+
+The GPU host has no tokenizer of the default model, so the workload is random prompts on
+random weights written on the spot; greedy decoding of such a model falls into loops the
+n-gram drafter predicts, so its acceptance says what verification costs and saves at these
+batch sizes, not what agent traffic would accept (``bench spec`` on the sim does that).
+
+One JSON record per line; exit 1 on any token mismatch or crash. ``--device cpu`` runs the
+same on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from async_engine.bench.gpu_identity import first_mismatches
+from async_engine.bench.gpu_models import SHAPES, emit, write_model
+from sampler.params import SamplingParams
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+BASE: dict[str, Any] = {"max_num_seqs": 64, "num_kv_blocks": 2048, "max_model_len": 512}
+# name -> engine options over BASE for the identity runs (float32).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "overlap-on": {},
+    "overlap-off": {"overlap": False},
+    "graphs-off": {"cuda_graphs": False},
+}
+BATCHES = (1, 16, 64)
+
+
+def prompts(vocab: int, count: int, seed: int = 0) -> list[list[int]]:
+    """Random prompts of 16 to 64 tokens, each holding a span it repeats."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        span = [rng.randrange(3, vocab) for _ in range(rng.randrange(8, 32))]
+        out.append(span + [rng.randrange(3, vocab) for _ in range(4)] + span)
+    return out
+
+
+def run(folder: Path, options: dict[str, Any], batch: list[list[int]], tokens: int) -> dict:
+    from async_engine.core.llm import LLM
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    with LLM(str(folder), **{**BASE, **options}) as llm:
+        llm.generate(batch[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        start = time.perf_counter()
+        outs = llm.generate(batch, params)
+        seconds = time.perf_counter() - start
+        stats = llm.stats().as_dict()
+    made = sum(len(o.token_ids) for o in outs)
+    return {
+        "tokens": [o.token_ids for o in outs],
+        "tokens_per_s": made / seconds,
+        "acceptance": stats.get("spec_acceptance_rate", 0.0),
+        "accepted_length": stats.get("spec_mean_accepted_length", 0.0),
+        "verify_steps": stats.get("spec_verify_steps", 0),
+        "verify_extra_ms": 1e3
+        * stats.get("spec_verify_extra_device_seconds", 0.0)
+        / max(1, stats.get("spec_verify_steps", 0)),
+    }
+
+
+def attempt(*args: Any) -> dict:
+    try:
+        return run(*args)
+    except Exception:
+        return {"error": traceback.format_exc()[-3000:]}
+
+
+def identity(folder: Path, device: str, vocab: int) -> bool:
+    batch = prompts(vocab, 8)
+    ok = True
+    for name, variant in VARIANTS.items():
+        options = {"device": device, "dtype": "float32", **variant}
+        plain = attempt(folder, options, batch, 48)
+        spec = attempt(folder, {**options, "speculative_config": {**SPEC, "adaptive": False}},
+                       batch, 48)  # fmt: skip
+        record: dict[str, Any] = {"check": "identity", "variant": name, "device": device}
+        errors = [r["error"] for r in (plain, spec) if "error" in r]
+        if errors:
+            emit({**record, "ok": False, "error": errors[0]})
+            ok = False
+            continue
+        mismatches = first_mismatches(plain["tokens"], spec["tokens"])
+        good = not mismatches and spec["verify_steps"] > 0
+        emit({**record, "ok": good, "mismatches": mismatches, "acceptance": spec["acceptance"],
+              "accepted_length": spec["accepted_length"], "verify_steps": spec["verify_steps"]})  # fmt: skip
+        ok &= good
+    return ok
+
+
+def speed(folder: Path, device: str, vocab: int) -> bool:
+    ok = True
+    for size in BATCHES:
+        batch = prompts(vocab, 2 * size, seed=size)
+        options = {"device": device, "dtype": "bfloat16"}
+        off = attempt(folder, options, batch, 128)
+        on = attempt(folder, {**options, "speculative_config": SPEC}, batch, 128)
+        record: dict[str, Any] = {"check": "speed", "batch": size, "device": device}
+        errors = [r["error"] for r in (off, on) if "error" in r]
+        if errors:
+            emit({**record, "ok": False, "error": errors[0]})
+            ok = False
+            continue
+        emit({**record, "ok": True, "off_tokens_per_s": round(off["tokens_per_s"], 1),
+              "ngram_tokens_per_s": round(on["tokens_per_s"], 1),
+              "ratio": round(on["tokens_per_s"] / off["tokens_per_s"], 3),
+              "acceptance": round(on["acceptance"], 3),
+              "accepted_length": round(on["accepted_length"], 2),
+              "verify_steps": on["verify_steps"],
+              "verify_extra_ms": round(on["verify_extra_ms"], 3)})  # fmt: skip
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
+    parser.add_argument("--checks", default="identity,speed")
+    args = parser.parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            emit({"error": "no CUDA device"})
+            return 1
+    checks = [c for c in args.checks.split(",") if c]
+    if set(checks) - {"identity", "speed"}:
+        parser.error(f"unknown checks in {args.checks!r}; known: identity, speed")
+    vocab = SHAPES[args.shape]["vocab_size"]
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="gpu-spec-") as tmp:
+        folder = write_model(Path(tmp) / args.shape, SHAPES[args.shape])
+        if "identity" in checks:
+            ok &= identity(folder, args.device, vocab)
+        if "speed" in checks:
+            ok &= speed(folder, args.device, vocab)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
