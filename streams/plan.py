@@ -108,6 +108,11 @@ class StepPlan:
 _WIRE_FIELDS = tuple(f for f in StepPlan.__slots__ if f not in ("requests", "lists"))
 
 
+# A row's prompt logprobs scored in a step: (row, first position, logprob of the prompt
+# token after each position, its rank, the top-n (id, logprob) at each position).
+PromptLogprobs = tuple[int, int, list[float], list[int], list[list[tuple[int, float]]]]
+
+
 @dataclass(slots=True)
 class StepResult:
     """What the device sends back for one step: each sampled row's tokens, in batch order."""
@@ -122,6 +127,7 @@ class StepResult:
     # Per sampled row: tokens it emitted, drafts it verified. Empty: one each, none.
     counts: np.ndarray = field(default_factory=_no_rows)
     drafted: np.ndarray = field(default_factory=_no_rows)
+    prompt_logprobs: list[PromptLogprobs] | None = None  # rows that asked, when scored
 
     def emitted(self, num_rows: int) -> np.ndarray:
         """int32 [num_rows]: how many tokens each sampled row emitted."""

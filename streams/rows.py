@@ -41,6 +41,9 @@ class StepLayout:
     # run's last position, where nothing is drafted)
     next_drafts: np.ndarray
     drafted: np.ndarray  # int32 [sampled rows]: drafts each verifies
+    # The prompt positions scored for rows that asked for prompt logprobs: input index, row,
+    # position, the prompt token after it (whose logprob it gives), top-n wanted. Empty: none.
+    scores: PromptScores | None = None
 
     @property
     def verifying(self) -> bool:
@@ -50,6 +53,15 @@ class StepLayout:
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
+
+
+@dataclass(slots=True)
+class PromptScores:
+    index: np.ndarray  # int64 [P]: which inputs' logits are scored
+    rows: np.ndarray  # int64 [P]
+    positions: np.ndarray  # int64 [P]
+    targets: np.ndarray  # int64 [P]: the prompt token at position + 1
+    top: np.ndarray  # int64 [P]: the row's prompt_logprobs
 
 
 def _constants(n: int, cache: dict[int, tuple] = {}) -> tuple[np.ndarray, ...]:  # noqa: B006
@@ -75,6 +87,8 @@ class RowState:
         self.live = np.zeros(rows, dtype=bool)
         self.length = np.zeros(rows, dtype=np.int64)  # tokens the row has: prompt + emitted
         self.history = np.zeros((rows, 256), dtype=np.int32)  # those tokens
+        self.prompt_len = np.zeros(rows, dtype=np.int64)
+        self.score_top = np.full(rows, -1, dtype=np.int64)  # prompt_logprobs; -1: none
 
     # ------------------------------------------------------------- plan changes
     def apply(
@@ -95,6 +109,9 @@ class RowState:
             self.num_blocks[new.row] = 0
             self.length[new.row] = len(new.prompt_ids)
             self.history[new.row, : len(new.prompt_ids)] = new.prompt_ids
+            self.prompt_len[new.row] = len(new.prompt_ids)
+            wanted = getattr(new.params, "prompt_logprobs", None)
+            self.score_top[new.row] = -1 if wanted is None else wanted
         if len(plan.reset_rows):
             self.num_blocks[plan.reset_rows] = 0
         pairs = plan.new_blocks
@@ -159,6 +176,7 @@ class RowState:
         # The draft after each sampled input, within its row's run (-1 at the run's end).
         last = sample_offsets == np.repeat(nsampled - 1, nsampled)
         next_drafts = np.where(last, -1, ids[np.minimum(sample_index + 1, len(ids) - 1)])
+        scores = self._scores(token_rows, positions) if (self.score_top[rows] >= 0).any() else None
         return StepLayout(
             rows=rows,
             starts=starts,
@@ -175,6 +193,19 @@ class RowState:
             sample_offsets=sample_offsets,
             next_drafts=next_drafts,
             drafted=drafted,
+            scores=scores,
+        )
+
+    def _scores(self, token_rows: np.ndarray, positions: np.ndarray) -> PromptScores | None:
+        """The inputs whose logits score the next prompt token, for rows that ask (a row's
+        last prompt position predicts its first output: not a prompt token)."""
+        wanted = (self.score_top[token_rows] >= 0) & (positions < self.prompt_len[token_rows] - 1)
+        index = np.flatnonzero(wanted)
+        if not len(index):
+            return None
+        rows, at = token_rows[index], positions[index]
+        return PromptScores(
+            index, rows, at, self.history[rows, at + 1].astype(np.int64), self.score_top[rows]
         )
 
     def _decode_layout(self, rows: np.ndarray, starts: np.ndarray, ids: np.ndarray) -> StepLayout:
@@ -295,9 +326,11 @@ class RowState:
         """Room for row ``row`` and for ``tokens`` tokens in a row's history."""
         if row >= len(self.live):
             grow = max(2 * len(self.live), row + 1)
-            for name in ("tables", "num_blocks", "live", "length", "history"):
+            for name in (
+                "tables", "num_blocks", "live", "length", "history", "prompt_len", "score_top"
+            ):  # fmt: skip
                 old = getattr(self, name)
-                new = np.zeros((grow, *old.shape[1:]), dtype=old.dtype)
+                new = np.full((grow, *old.shape[1:]), -1 if name == "score_top" else 0, old.dtype)
                 new[: len(old)] = old
                 setattr(self, name, new)
         if tokens > self.history.shape[1]:

@@ -55,7 +55,7 @@ def encode_result(result: StepResult) -> bytes:
     tokens = np.ascontiguousarray(result.tokens, np.int64)
     counts = np.ascontiguousarray(result.counts, np.int32)
     drafted = np.ascontiguousarray(result.drafted, np.int32)
-    rare = (result.logprobs, result.top_logprobs, result.error)
+    rare = (result.logprobs, result.top_logprobs, result.error, result.prompt_logprobs)
     extra = pickle.dumps(rare, 5) if any(x is not None for x in rare) else b""
     head = _RESULT_HEAD.pack(
         result.step_id,
@@ -78,7 +78,7 @@ def decode_result(frame: bytes) -> StepResult:
     offset += 4 * n_counts
     drafted = np.frombuffer(frame, np.int32, n_drafted, offset)
     offset += 4 * n_drafted
-    logprobs = top = error = None
+    logprobs = top = error = prompt = None
     if extra_len:
-        logprobs, top, error = pickle.loads(frame[offset : offset + extra_len])
-    return StepResult(step_id, tokens, logprobs, top, start, end, error, counts, drafted)
+        logprobs, top, error, prompt = pickle.loads(frame[offset : offset + extra_len])
+    return StepResult(step_id, tokens, logprobs, top, start, end, error, counts, drafted, prompt)

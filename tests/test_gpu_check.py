@@ -84,9 +84,10 @@ def test_the_kernel_phase_says_when_there_is_no_gpu(capsys):
     assert json.loads(capsys.readouterr().out) == {"error": "no CUDA device"}
 
 
-def test_the_phases_run_in_order_under_eight_minutes_and_name_their_modules():
-    assert list(gpu_check.PHASES) == ["kernels", "identity", "pytest-cuda", "bench", "profile"]
-    assert sum(limit for _, limit in gpu_check.PHASES.values()) < 8 * 60
+def test_the_phases_run_in_order_within_one_device_call_and_name_their_modules():
+    names = ["kernels", "identity", "pytest-cuda", "bench", "profile", "speculation"]
+    assert list(gpu_check.PHASES) == names
+    assert sum(limit for _, limit in gpu_check.PHASES.values()) < 10 * 60 - 30
     assert set(gpu_check.NEEDS) == set(gpu_check.PHASES)
 
 

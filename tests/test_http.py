@@ -151,8 +151,8 @@ def test_completion_logprobs_come_per_token(client):
         ({"stop": ["x" * 3000, "y" * 3000]}, "stop"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": [1, "x"]}, "prompt"),
-        ({"echo": True, "logprobs": 1}, "echo"),
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"echo": "yes"}, "echo"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"suffix": " the end"}, "suffix"),
         ({"best_of": 3}, "best_of"),
     ],
@@ -164,7 +164,7 @@ def test_a_bad_field_is_a_400_naming_it(server: BackgroundServer, body: dict, pa
     assert status == 400 and error["param"] == param and error["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("field", [{"echo": True}, {"prompt_logprobs": 0}])
+@pytest.mark.parametrize("field", [{"echo": True}])
 def test_a_chat_field_that_would_change_the_answer_is_refused(
     server: BackgroundServer, field: dict
 ):

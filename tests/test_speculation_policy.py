@@ -123,3 +123,24 @@ def test_a_verify_steps_extra_device_time_is_beyond_the_same_step_without_drafts
     spec.observe(plan, result)
     assert spec.stats.verify_device_seconds == pytest.approx(0.040)
     assert spec.stats.verify_extra_device_seconds == pytest.approx(0.040 - 0.008)
+
+
+def test_slots_are_refused_where_the_gate_measured_speculating_steps_slower():
+    table, rows = table_of(4)
+    spec = speculation(table, times(FLAT))
+    now = 0.0
+    for step in range(40):  # the host's drafting makes every verify step 4x longer
+        slots = spec.slots(rows)
+        speculating = bool(slots.any())
+        n = len(rows)
+        sampled = (1 + slots).astype(np.int32)
+        plan = StepPlan(step, int32s(range(n)), int32s([3] * n), sampled, sampled,
+                        int64s([0] * int(sampled.sum())))  # fmt: skip
+        seconds = 0.040 if speculating else 0.010
+        result = StepResult(step, np.zeros(2 * n, np.int64), None, None, now, now + 0.010)
+        if speculating:
+            result.counts, result.drafted = np.full(n, 2, np.int32), slots.astype(np.int32)
+        now += seconds
+        spec.observe(plan, result, now)
+    assert spec.slots(rows).tolist() == [0] * 4
+    assert spec.stats.gated_steps > 0

@@ -33,7 +33,10 @@ class KVCacheManager:
         return True
 
     def lookup_prefix(self, req: Request) -> None:
-        # Leave at least one token to compute: its logits give the next token.
+        # Leave at least one token to compute: its logits give the next token. A request
+        # that scores its prompt computes all of it: a cached block's logits are not kept.
+        if req.prompt_scores is not None and None in req.prompt_scores[1:]:
+            return
         full = (req.num_tokens - 1) // self.block_size
         self._hash_up_to(req, full)
         hits = self.pool.lookup(req.hash_chain[:full])

@@ -17,7 +17,7 @@ from async_engine.core.config import EngineConfig
 from async_engine.core.engine import AsyncEngine
 from async_engine.core.group import RequestGroup, RequestOptions, submit
 from async_engine.core.output import RequestDelta
-from async_engine.core.request import Request
+from async_engine.core.request import PromptScore, Request
 from async_engine.core.stats import EngineStats
 from async_engine.core.tokenizer import decode_continuation
 from sampler.params import SamplingParams
@@ -55,8 +55,26 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With prompt_logprobs: per prompt token, None for the first, then {token id: logprob}
+    # holding the prompt token and the top-n at its position (vLLM's shape, floats).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     outputs: list[CompletionOutput] = field(default_factory=list)
+
+
+def prompt_logprob_dicts(
+    prompt_ids: list[int], scores: list[PromptScore | None]
+) -> list[dict[int, float] | None]:
+    out: list[dict[int, float] | None] = []
+    for token, score in zip(prompt_ids, scores, strict=True):
+        if score is None:
+            out.append(None)
+            continue
+        logprob, _, top = score
+        entry = {token: logprob}
+        entry.update((t, v) for t, v in top if t != token)
+        out.append(entry)
+    return out
 
 
 class _LoopThread:
@@ -241,6 +259,8 @@ class LLM:
         """One sample's result, from all its output merged."""
         out = RequestOutput(req.request_id, req.prompt_ids, whole.token_ids, whole.text, "abort")
         out.logprobs, out.top_logprobs = whole.logprobs, whole.top_logprobs
+        if whole.prompt_logprobs is not None:
+            out.prompt_logprobs = prompt_logprob_dicts(req.prompt_ids, whole.prompt_logprobs)
         if whole.finished and whole.finish_reason is not None:
             out.finish_reason = whole.finish_reason.simple
             out.stop_reason = whole.stop_reason

@@ -6,7 +6,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from async_engine.core.request import FinishReason, Request
+from async_engine.core.request import FinishReason, PromptScore, Request
 from async_engine.core.stops import stop_automaton
 from async_engine.core.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -25,6 +25,9 @@ class RequestDelta:
     text: str
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With prompt_logprobs, on the request's first delta: each prompt token's score (the
+    # first token's None).
+    prompt_logprobs: list[PromptScore | None] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
@@ -40,6 +43,8 @@ class RequestDelta:
             self.logprobs = (self.logprobs or []) + later.logprobs
         if later.top_logprobs is not None:
             self.top_logprobs = (self.top_logprobs or []) + later.top_logprobs
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
         self.finished = later.finished
         self.finish_reason = later.finish_reason
         self.stop_reason = later.stop_reason
@@ -53,6 +58,8 @@ def delta_bytes(delta: RequestDelta) -> int:
         size += 16 * len(delta.logprobs)
     if delta.top_logprobs:
         size += 32 * sum(len(top) for top in delta.top_logprobs)
+    if delta.prompt_logprobs:
+        size += sum(24 + 32 * len(s[2]) for s in delta.prompt_logprobs if s is not None)
     return size
 
 
@@ -148,6 +155,7 @@ class OutputProcessor:
         self.text = ""
         self.num_emitted_tokens = 0
         self.num_emitted_chars = 0
+        self.sent_prompt_logprobs = False
 
     def _new_detokenizer(self) -> IncrementalDetokenizer | None:
         if self._tokenizer is None:
@@ -165,6 +173,7 @@ class OutputProcessor:
         self.text = ""
         self.num_emitted_tokens = self.num_emitted_chars = 0
         self.match_state = self.hold = 0
+        self.sent_prompt_logprobs = False
 
     def process(self) -> tuple[RequestDelta | None, str | None]:
         """Build the delta for tokens not yet emitted; also returns a stop string that matched."""
@@ -193,6 +202,9 @@ class OutputProcessor:
             delta.logprobs = req.output_logprobs[self.num_emitted_tokens :]
             if req.params.logprobs > 0:
                 delta.top_logprobs = req.output_top_logprobs[self.num_emitted_tokens :]
+        if req.prompt_scores is not None and not self.sent_prompt_logprobs:
+            delta.prompt_logprobs = list(req.prompt_scores)
+            self.sent_prompt_logprobs = True
         self.num_emitted_tokens = len(req.output_ids)
         self.num_emitted_chars = end
         return delta, matched

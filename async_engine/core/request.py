@@ -45,6 +45,10 @@ _SIMPLE = {
 }
 
 
+# A prompt token's score: its logprob, its rank at its position, the top-n (id, logprob).
+PromptScore = tuple[float, int, list[tuple[int, float]]]
+
+
 class Request:
     """One sequence being generated.
 
@@ -64,6 +68,7 @@ class Request:
         "output_ids",
         "output_logprobs",
         "output_top_logprobs",
+        "prompt_scores",
         "params",
         "eos_ids",
         "stop_ids",
@@ -114,6 +119,11 @@ class Request:
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
+        # With prompt_logprobs: per prompt token, (logprob, rank, top-n) once scored; the
+        # first has none. Kept by position, so a prompt computed again scores the same.
+        self.prompt_scores: list[PromptScore | None] | None = None
+        if getattr(params, "prompt_logprobs", None) is not None:
+            self.prompt_scores = [None] * len(prompt_ids)
         self.params = params
         self.eos_ids = eos_ids
         # Token ids that end the request once min_tokens are out: stop ids, plus EOS. In

@@ -33,7 +33,7 @@ from async_engine.core.row_table import RowTable
 from async_engine.core.running import Running
 from async_engine.core.speculation import Speculation
 from async_engine.core.step_clock import StepClock
-from async_engine.core.step_results import apply_step
+from async_engine.core.step_results import apply_step, record_prompt_scores
 from async_engine.core.step_times import StepTimes
 from blockalloc import BlockPool
 from streams.drafting.config import SpeculativeConfig
@@ -210,6 +210,8 @@ class Scheduler:
         self._ended = []
         if self.speculation is not None:
             self.speculation.observe(plan, result)
+        if result.prompt_logprobs:
+            record_prompt_scores(result.prompt_logprobs, plan)
         touched, wasted, rows, counts = apply_step(
             plan, result, self.table, self.config.max_model_len, self.finish
         )

@@ -15,16 +15,20 @@ that reads the weights once per step (a GPU, a CPU at small batch) extra tokens 
 free and rows get every slot their acceptance warrants; on a compute-bound step (a large
 CPU batch) they cost as much as any token and speculation stops for the step. Each row's
 acceptance is its own count of kept drafts, shrunk toward the engine-wide rate while it has
-few (a Beta prior of ``PRIOR_DRAFTS`` drafts).
+few (a Beta prior of ``PRIOR_DRAFTS`` drafts). What the step clock cannot see (the host's
+drafting and the verify step's wait for tokens) the gate (core/speculation_gate.py) measures:
+it turns slots off for a batch size where speculating steps emit fewer tokens a second.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from async_engine.core.row_table import SPECULATE, RowTable
+from async_engine.core.speculation_gate import SpeculationGate
 from async_engine.core.step_times import StepTimes
 from streams.drafting.config import SpeculativeConfig
 from streams.plan import StepPlan, StepResult
@@ -46,6 +50,7 @@ class SpeculationStats:
     verify_device_seconds: float = 0.0  # their device time
     # Their device time beyond the step clock's estimate of the same steps without drafts.
     verify_extra_device_seconds: float = 0.0
+    gated_steps: int = 0  # steps the slot model gave slots and the gate measured no gain
 
     @property
     def acceptance_rate(self) -> float:
@@ -63,6 +68,7 @@ class Speculation:
         self.table = table
         self.times = times
         self.stats = SpeculationStats(accepted_per_position=[0] * config.num_speculative_tokens)
+        self.gate = SpeculationGate()
 
     def slots(self, rows: np.ndarray) -> np.ndarray:
         """Draft slots for each of the running ``rows`` this step (int64, 0: none)."""
@@ -75,7 +81,11 @@ class Speculation:
             return np.where(allowed, k, 0)
         rates = self._rates(rows)
         rates = np.where(allowed, rates, 0.0)
-        return self._worth(rates, len(rows))
+        slots = self._worth(rates, len(rows))
+        if slots.any() and not self.gate.allows(len(rows)):
+            self.stats.gated_steps += 1
+            return np.zeros(len(rows), np.int64)
+        return slots
 
     def _rates(self, rows: np.ndarray) -> np.ndarray:
         """Each row's expected share of drafts kept."""
@@ -103,8 +113,10 @@ class Speculation:
             slots = np.clip(np.floor(np.log(cost) / np.log(rates)), 0, k).astype(np.int64)
         return slots
 
-    def observe(self, plan: StepPlan, result: StepResult) -> None:
-        """A step's verified drafts: each row's counts, and the lifetime stats."""
+    def observe(self, plan: StepPlan, result: StepResult, now: float | None = None) -> None:
+        """A step's result (arrived at ``now``): the gate's rates, each row's counts of
+        verified drafts, and the lifetime stats."""
+        self.gate.observe(plan, result, time.monotonic() if now is None else now)
         if not len(result.drafted):
             return
         sampled = plan.num_sampled > 0

@@ -42,6 +42,7 @@ class EngineStats:
     spec_verify_steps: int = 0
     spec_verify_device_seconds: float = 0.0
     spec_verify_extra_device_seconds: float = 0.0  # beyond the same steps without drafts
+    spec_gated_steps: int = 0  # slots granted, refused: speculating measured slower there
 
     @classmethod
     def collect(
@@ -94,4 +95,5 @@ def _speculation(sched: Scheduler) -> dict[str, Any]:
         "spec_verify_steps": spec.verify_steps,
         "spec_verify_device_seconds": spec.verify_device_seconds,
         "spec_verify_extra_device_seconds": spec.verify_extra_device_seconds,
+        "spec_gated_steps": spec.gated_steps,
     }

@@ -19,7 +19,7 @@ import numpy as np
 
 from async_engine.core.request import FinishReason, Request, RequestStatus
 from async_engine.core.row_table import ALIVE, PLAIN, RowTable
-from streams.plan import StepPlan, StepResult
+from streams.plan import PromptLogprobs, StepPlan, StepResult
 
 Finish = Callable[[Request, FinishReason, int | None], None]
 
@@ -49,6 +49,21 @@ def apply_step(
             return _apply_bulk(rows, tokens, touched, lists, table, max_model_len, finish, now)
     slots = (plan.num_sampled[sampled] - 1).astype(np.int64)
     return _apply_each(rows, counts, slots, tokens, result, table, max_model_len, finish, now)
+
+
+def record_prompt_scores(scored: list[PromptLogprobs], plan: StepPlan) -> None:
+    """A step's prompt logprobs into the requests it ran, by position: position p scores
+    the prompt token at p + 1."""
+    batch = plan.rows.tolist()
+    for row, first, logprobs, ranks, tops in scored:
+        req = plan.requests[batch.index(row)]
+        if req.prompt_scores is None:
+            continue
+        scores = req.prompt_scores
+        for i, (logprob, rank, top) in enumerate(zip(logprobs, ranks, tops, strict=True)):
+            at = first + 1 + i
+            if at < len(scores):
+                scores[at] = (logprob, rank, top)
 
 
 def _lists_of(table: RowTable, rows: np.ndarray) -> tuple[list, list]:

@@ -21,8 +21,8 @@ class Tokenizer:
         self.max_token_chars = max((len(t) for t in self.hf.get_vocab()), default=1) or 1
         self.byte_table = ByteTable.of(self.hf)  # None: decode through the tokenizer
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.hf(text)["input_ids"])
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.byte_table is not None:
@@ -34,18 +34,29 @@ class Tokenizer:
         return decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """The conversation's prompt ids, messages as OpenAI clients send them (``core.chat``);
         ``tools`` (OpenAI function specs) are shown to the model through its template, or in
-        a system message where the template has no place for them."""
+        a system message where the template has no place for them. The template writes the
+        special tokens it wants; ``add_special_tokens`` adds the tokenizer's own on top (what
+        vLLM's /tokenize does when asked)."""
         template = self.hf.chat_template
         if not template:
             raise ValueError("messages: this model has no chat template")
         messages = normalize_messages(messages)
         messages, tools = render_for_template(messages, tools, str(template))
+        if add_special_tokens:
+            text = self.hf.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+            return self.encode(text, add_special_tokens=True)
         ids = self.hf.apply_chat_template(
-            messages, tools=tools, tokenize=True, add_generation_prompt=True
+            messages, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt
         )
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from sampler.prompt_logprobs import score_positions
 from sampler.sampler import Positions, Sample
 from streams import cuda_kernels
 from streams.device import REPLAY_STEP, DeviceError
@@ -46,7 +47,7 @@ from streams.pipeline.device_rows import DeviceRows, token_slots
 from streams.pipeline.forward import StepForward
 from streams.pipeline.memory import kv_blocks_for
 from streams.pipeline.slots import Pending, Slot, fit_slot, new_slot, step_sections
-from streams.plan import StepPlan, StepResult
+from streams.plan import PromptLogprobs, StepPlan, StepResult
 from streams.rows import StepLayout
 from streams.verify import emitted_counts, keep_emitted
 
@@ -156,6 +157,8 @@ class PipelinedRunner:
         finally:
             self._free.put(pending.slot)
         result = StepResult(pending.step_id, tokens, logprobs, top, start, end)
+        if pending.scores is not None:
+            result.prompt_logprobs = prompt_logprobs(pending.layout, pending.scores)
         if pending.layout.verifying:
             result.counts, result.drafted = pending.counts, pending.layout.drafted
         return result
@@ -233,6 +236,12 @@ class PipelinedRunner:
                 rows.tables.index_put_((dev["delta_rows"], dev["delta_cols"]), dev["delta_blocks"])
             cuda_kernels.fill_placeholders(dev["input_ids"], dev["token_slots"], rows.tokens)
             logits = self.forward(layout, dev, rows)
+            scores = None
+            if layout.scores is not None:  # rows asking for prompt logprobs: after the sampled
+                scored = logits[len(layout.sample_index) :]
+                logits = logits[: len(layout.sample_index)]
+                top = int(layout.scores.top.max())
+                scores = score_positions(scored, dev["score_targets"], top)
             keep: tuple = ()
             wanted: list[int | None] = []
             if len(layout.sample_rows):
@@ -256,7 +265,7 @@ class PipelinedRunner:
         has_logprobs = bool(keep) and keep[1] is not None
         pending = Pending(
             plan.step_id, slot, n, top, wanted, has_logprobs, start, end, copied, keep,
-            layout, counts, before,
+            layout, counts, before, scores,
         )  # fmt: skip
         with self._recording:
             self._unrecorded.append(pending)
@@ -308,6 +317,23 @@ class PipelinedRunner:
             self.seed,
             self.tokenizer_folder,
         )
+
+
+def prompt_logprobs(layout: StepLayout, scores: tuple) -> list[PromptLogprobs]:
+    """The step's scored prompt positions, by row: (row, first position, logprobs, ranks,
+    top-n per position). Read after the step's copy event: the scores are computed."""
+    chosen, rank, top_ids, top_values = (t.cpu() for t in scores)
+    at = layout.scores
+    out: list[PromptLogprobs] = []
+    starts = np.flatnonzero(np.r_[True, at.rows[1:] != at.rows[:-1]]).tolist()
+    for a, b in zip(starts, [*starts[1:], len(at.rows)], strict=True):
+        k = int(at.top[a])
+        ids, values = top_ids[a:b, :k].tolist(), top_values[a:b, :k].tolist()
+        tops = [list(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
+        out.append(
+            (int(at.rows[a]), int(at.positions[a]), chosen[a:b].tolist(), rank[a:b].tolist(), tops)
+        )
+    return out
 
 
 def _host(values: np.ndarray) -> torch.Tensor:

@@ -29,6 +29,7 @@ SECTIONS = (
     "sample_rows",
     "sample_slots",
     "sample_offsets",
+    "score_targets",
     "drafts_at",
     "drafts_token",
     "delta_rows",
@@ -59,7 +60,11 @@ def step_sections(
         "context_lens": layout.context_lens,
         "q_starts": np.cumsum(layout.query_lens) - layout.query_lens,
         "q_lens": layout.query_lens,
-        "logits_indices": at,
+        # The sampled inputs' logits, then the prompt positions' a row asked to score.
+        "logits_indices": at
+        if layout.scores is None
+        else np.concatenate((at, layout.scores.index)),
+        "score_targets": empty if layout.scores is None else layout.scores.targets,
         "sample_rows": layout.sample_rows,
         # A sampled token is the row's token at the position after its input's.
         "sample_slots": token_slots(layout.sample_rows, layout.positions[at] + 1),
@@ -138,6 +143,8 @@ class Pending:
     layout: StepLayout
     counts: np.ndarray  # int32: tokens each sampled row emits
     before: np.ndarray  # int64: each sampled row's token count before the step
+    # Prompt logprobs the step scored (device tensors: logprob, rank, top ids, top logprobs).
+    scores: tuple | None = None
 
 
 def new_slot(sync: DeviceSync, device: torch.device, ints: int, sampled: int) -> Slot:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
@@ -29,6 +30,7 @@ from async_engine.server.http.errors import HttpError, bad_request
 from async_engine.server.http.generate import OpenAIGeneration
 from async_engine.server.http.protocol import chat_request, completion_request
 from async_engine.server.http.render import render
+from async_engine.server.http.tokenize import detokenize, tokenize
 from async_engine.server.stalls import StalledStreams
 from async_engine.server.state import ServingState
 
@@ -49,6 +51,7 @@ class OpenAIApp:
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         self.model_names = {"default", str(self.engine.config.model)}
+        self.created = int(time.time())  # the model card's: when this server began serving
         self.app = Starlette(
             routes=[
                 Route("/v1/models", self.models, methods=["GET"]),
@@ -63,6 +66,8 @@ class OpenAIApp:
                     partial(render, self, chat=True),
                     methods=["POST"],
                 ),
+                Route("/tokenize", partial(tokenize, self), methods=["POST"]),
+                Route("/detokenize", partial(detokenize, self), methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
                 Route("/get_load", self.get_load, methods=["GET"]),
@@ -96,7 +101,7 @@ class OpenAIApp:
         return {
             "id": str(self.engine.config.model),
             "object": "model",
-            "created": 0,
+            "created": self.created,
             "owned_by": "async-engine",
             "max_model_len": self.engine.max_model_len,
         }
@@ -188,8 +193,12 @@ class OpenAIApp:
                 )
             try:
                 tools = sub.tools.tools if sub.tools and sub.tools.choice != "none" else None
-                sub.prompt = await self.engine.prepare(sub.prompt, sub.params, sub.messages, tools)
-                sub.messages = None  # templated off the loop: the prompt holds its ids now
+                prepare = self.engine.prepare
+                if sub.messages is not None:
+                    sub.prompts = [await prepare(None, sub.params, sub.messages, tools)]
+                    sub.messages = None  # templated off the loop: the prompt holds its ids
+                else:
+                    sub.prompts = [await prepare(p, sub.params) for p in sub.prompts]
             except ValueError as exc:
                 text = str(exc)
                 field = "response_format" if text.startswith("structured_output") else "prompt"

@@ -6,8 +6,9 @@ gets a 400 naming its field (SamplingParams does the range checks and names the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from async_engine.core.chat import normalize_messages
@@ -18,13 +19,16 @@ from async_engine.server.http.tools import ToolSpec, tool_spec
 from sampler.params import FIELDS, MAX_LOGPROBS, SamplingParams
 
 DEFAULT_LIMITS = Limits()
+MAX_CHOICES = 256  # a completion's prompts times n
 JSON_OBJECT = json.dumps({"type": "object", "additionalProperties": True})
 
 
 @dataclass(slots=True)
 class HttpSubmission:
     model: str
-    prompt: str | list[int] | None
+    # A completion's prompts (a batch: prompt i's n choices are i*n..i*n+n-1); a chat's
+    # one prompt once it is templated, none before.
+    prompts: list[str | list[int]]
     messages: list[dict[str, Any]] | None
     params: SamplingParams
     stream: bool
@@ -33,6 +37,14 @@ class HttpSubmission:
     top_logprobs: int | None  # chat: top-n per token when logprobs were asked for
     tools: ToolSpec | None = None  # chat: tool calls constrained to the tools' schemas
     priority: int | None = None  # vLLM's extension; lower runs sooner (None: the default)
+    # stream_options.continuous_usage_stats: every chunk carries the usage so far.
+    continuous_usage: bool = False
+    # Completions: echo the prompt before each choice (its tokens' logprobs first, where
+    # logprobs are asked); score_only: max_tokens 0, nothing generated is shown.
+    echo: bool = False
+    score_only: bool = False
+    originals: list[str | list[int]] = field(default_factory=list)  # prompts as sent
+    show_prompt_logprobs: bool = False  # vLLM's prompt_logprobs extension was asked for
 
 
 def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
@@ -154,12 +166,7 @@ def _stop_token_ids(body: dict[str, Any], limits: Limits) -> tuple[int, ...]:
 
 
 def _refuse_unbuilt(body: dict[str, Any]) -> None:
-    """Fields that would change the answer if ignored (an eval harness reading prompt
-    scores would silently score 0): a 400 naming each until it is built."""
-    if body.get("echo"):
-        raise bad_request("echo is not supported yet (no prompt logprobs)", "echo")
-    if body.get("prompt_logprobs") is not None:
-        raise bad_request("prompt_logprobs is not supported yet", "prompt_logprobs")
+    """Fields that would change the answer if ignored: a 400 naming each until it is built."""
     if body.get("suffix"):
         raise bad_request("suffix (insertion) is not supported", "suffix")
     best_of, n = body.get("best_of"), body.get("n")
@@ -176,32 +183,78 @@ def _common(body: dict[str, Any]) -> tuple[str, bool, bool, str]:
         raise bad_request("model is required", "model")
     stream = _get(body, "stream", (bool,), False)
     options = _get(body, "stream_options", (dict,), {})
-    include_usage = bool(options.get("include_usage", False))
+    for name in ("include_usage", "continuous_usage_stats"):
+        if not isinstance(options.get(name, False), bool):
+            raise bad_request(f"stream_options.{name} must be a bool", "stream_options")
+    include_usage = options.get("include_usage", False)
     user = _get(body, "user", (str,), "")
     return model, stream, include_usage, user
 
 
 def completion_request(body: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> HttpSubmission:
     model, stream, include_usage, user = _common(body)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list) and not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
-    ):
-        raise bad_request("prompt must be a string or a list of token ids (one prompt)", "prompt")
-    if not isinstance(prompt, (str, list)) or not prompt:
-        raise bad_request("prompt must be a non-empty string or list of token ids", "prompt")
-    if isinstance(prompt, str) and len(prompt) > limits.max_prompt_chars:
-        raise bad_request(f"prompt is longer than {limits.max_prompt_chars} characters", "prompt")
-    if isinstance(prompt, list) and len(prompt) > limits.max_prompt_tokens:
-        raise bad_request(f"prompt has more than {limits.max_prompt_tokens} token ids", "prompt")
+    prompts = _prompts(body.get("prompt"), limits)
     max_tokens = _get(body, "max_tokens", (int,), 16)
     logprobs = _get(body, "logprobs", (int,), None)
+    echo = _get(body, "echo", (bool,), False)
+    score_only = max_tokens == 0
+    if score_only and not echo:
+        raise bad_request("max_tokens 0 (score the prompt only) needs echo: true", "max_tokens")
+    if score_only:
+        max_tokens = 1  # the prompt's last logits sample one token anyway: it is dropped
     params = _params(body, max_tokens, logprobs, structured_output(body, limits), limits)
-    sub = HttpSubmission(model, prompt, None, params, stream, include_usage, user, None)
+    if echo and logprobs is not None:  # logprobs then cover the prompt's tokens too
+        wanted = max(params.prompt_logprobs or 0, logprobs)
+        params = dataclasses.replace(params, prompt_logprobs=wanted)
+    if len(prompts) * params.n > MAX_CHOICES:
+        raise bad_request(
+            f"prompt: {len(prompts)} prompts of n={params.n} are more than {MAX_CHOICES} choices",
+            "prompt",
+        )
+    sub = HttpSubmission(model, prompts, None, params, stream, include_usage, user, None)
     sub.priority = _priority(body)
+    sub.continuous_usage = _continuous_usage(body)
+    sub.echo, sub.score_only = echo, score_only
+    sub.show_prompt_logprobs = body.get("prompt_logprobs") is not None
+    sub.originals = list(prompts)
     return sub
+
+
+def _continuous_usage(body: dict[str, Any]) -> bool:
+    """Taken on its own too (vLLM wants include_usage beside it and else ignores it)."""
+    return bool((body.get("stream_options") or {}).get("continuous_usage_stats", False))
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+def _prompts(prompt: Any, limits: Limits) -> list[str | list[int]]:
+    """``prompt`` as OpenAI takes it: a string, token ids, or a batch of either."""
+    if isinstance(prompt, str) or (_is_ids(prompt) and prompt):
+        prompts = [prompt]
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(p, str) or _is_ids(p) for p in prompt)
+    ):
+        prompts = prompt
+    else:
+        raise bad_request(
+            "prompt must be a string, a list of token ids, or a list of either (a batch)",
+            "prompt",
+        )
+    if not all(prompts):
+        raise bad_request("prompt must not be empty (nor any prompt of a batch)", "prompt")
+    chars = sum(len(p) for p in prompts if isinstance(p, str))
+    if chars > limits.max_prompt_chars:
+        raise bad_request(f"prompt is longer than {limits.max_prompt_chars} characters", "prompt")
+    ids = sum(len(p) for p in prompts if isinstance(p, list))
+    if ids > limits.max_prompt_tokens:
+        raise bad_request(f"prompt has more than {limits.max_prompt_tokens} token ids", "prompt")
+    return prompts
 
 
 def _priority(body: dict[str, Any]) -> int | None:
@@ -213,6 +266,8 @@ def _priority(body: dict[str, Any]) -> int | None:
 
 def chat_request(body: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> HttpSubmission:
     model, stream, include_usage, user = _common(body)
+    if body.get("echo"):
+        raise bad_request("echo is not supported in chat completions", "echo")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")
@@ -254,9 +309,11 @@ def chat_request(body: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> HttpS
     if tools is not None:
         structured = tools.schema_output()
     params = _params(body, max_tokens, (top or 0) if wants else None, structured, limits)
-    sub = HttpSubmission(model, None, messages, params, stream, include_usage, user, top)
+    sub = HttpSubmission(model, [], messages, params, stream, include_usage, user, top)
     sub.tools = tools
     sub.priority = _priority(body)
+    sub.continuous_usage = _continuous_usage(body)
+    sub.show_prompt_logprobs = body.get("prompt_logprobs") is not None
     return sub
 
 

@@ -1,5 +1,6 @@
 """vLLM's render endpoints: a prompt's token ids as this engine computes them, nothing
-generated (``POST /v1/completions/render`` answers a list of one, the chat one an object).
+generated (``POST /v1/completions/render`` answers a list, one per prompt of a batch, the
+chat one an object).
 
 vllm-router's ``kv_aware`` policy does not tokenize for HTTP workers: it asks a worker to
 render each text or chat request, then looks the ids up in the workers' KV events. Without
@@ -47,18 +48,24 @@ async def render(app: OpenAIApp, request: Request, chat: bool) -> Response:
             )
         tools = sub.tools.tools if sub.tools and sub.tools.choice != "none" else None
         try:
-            ids = await prompt_ids(app, sub.prompt, sub.messages, tools)
+            if chat:
+                batch = [await prompt_ids(app, None, sub.messages, tools)]
+            else:
+                batch = [await prompt_ids(app, p, None, None) for p in sub.prompts]
         except ValueError as exc:
             raise bad_request(str(exc), "messages" if chat else "prompt") from None
     except HttpError as exc:
         return exc.response()
-    rendered = {
-        "request_id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
-        "model": sub.model,
-        "token_ids": ids,
-        "sampling_params": {"max_tokens": sub.params.max_tokens},
-    }
-    return JSONResponse(rendered if chat else [rendered])
+    rendered = [
+        {
+            "request_id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+            "model": sub.model,
+            "token_ids": ids,
+            "sampling_params": {"max_tokens": sub.params.max_tokens},
+        }
+        for ids in batch
+    ]
+    return JSONResponse(rendered[0] if chat else rendered)
 
 
 async def prompt_ids(

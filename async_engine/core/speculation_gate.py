@@ -1,0 +1,110 @@
+"""Whether speculating pays in practice, per batch size: the measured token rate of steps
+that speculated against that of steps that did not.
+
+The slot model (core/speculation.py) prices a draft by the step clock's device time. What it
+cannot see is the host's share of a verify step: drafting, the verify layout, and the wait
+for the previous step's tokens that drafting needs (a verify step is launched only once its
+rows' tokens are known). Where those cost more than the kept drafts save (many rows on a
+fast device, or a CPU whose host and device share the cores) the gate turns speculation off
+for that batch size, whatever the slot model grants.
+
+It learns from when results arrive: the time from one result to the next is a step's whole
+cost, host work and waits included, in either loop. Each batch size class (the decoding
+rows' bit length: 1, 2-3, 4-7, ...) keeps, for each mode, the tokens its steps emitted a row
+and the seconds they took, both fading (``FADE`` a step), and rates the mode by their ratio.
+The mode not in favour is tried every ``EXPLORE``-th step (every ``LEARN_EVERY``-th until
+both have ``MIN_SAMPLES``), so a change in acceptance or load is seen. Steps that also
+prefill count too: where prompts arrive all the time (agent loops), most steps do, and the
+prompts' share of a step falls on both modes alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from streams.plan import StepPlan, StepResult
+
+EXPLORE = 16
+LEARN_EVERY = 4
+MIN_SAMPLES = 3
+FADE = 0.9  # the weight a mode's past steps keep at each new one
+STALE_SECONDS = 1.0  # a gap longer than this (and than 20 device spans) was idleness
+
+
+@dataclass(slots=True)
+class ModeRate:
+    tokens: float = 0.0  # emitted a row, fading
+    seconds: float = 0.0
+    samples: int = 0
+
+    def add(self, tokens_a_row: float, seconds: float) -> None:
+        self.samples += 1
+        self.tokens = self.tokens * FADE + tokens_a_row
+        self.seconds = self.seconds * FADE + seconds
+
+    @property
+    def tokens_per_second(self) -> float:
+        """A row's, over the mode's recent steps."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(slots=True)
+class BatchClass:
+    speculating: ModeRate
+    plain: ModeRate
+    decisions: int = 0
+
+    def favours_speculation(self) -> bool:
+        return self.speculating.tokens_per_second >= self.plain.tokens_per_second
+
+
+class SpeculationGate:
+    def __init__(self) -> None:
+        self.classes: dict[int, BatchClass] = {}
+        self._last_arrival: float | None = None
+        self.turned_off_steps = 0  # steps the slot model granted slots and the gate refused
+
+    def allows(self, num_rows: int) -> bool:
+        """Whether a step of ``num_rows`` decoding rows that the slot model would give draft
+        slots should speculate."""
+        cls = self._class(num_rows)
+        cls.decisions += 1
+        learning = min(cls.speculating.samples, cls.plain.samples) < MIN_SAMPLES
+        if learning:
+            # Speculate first (its rate is the unknown that matters), then try plain.
+            allow = cls.decisions % LEARN_EVERY != 0
+        else:
+            favoured = cls.favours_speculation()
+            allow = favoured != (cls.decisions % EXPLORE == 0)
+        if not allow:
+            self.turned_off_steps += 1
+        return allow
+
+    def observe(self, plan: StepPlan, result: StepResult, now: float) -> None:
+        """A step's result arrived at ``now``: its period rates the mode it ran in."""
+        last, self._last_arrival = self._last_arrival, now
+        sampled = int((plan.num_sampled > 0).sum())
+        if last is None or not sampled or result.error is not None:
+            return
+        period = now - last
+        span = result.device_end - result.device_start
+        if period <= 0 or (period > STALE_SECONDS and period > 20 * span):
+            return
+        emitted = int(result.emitted(sampled).sum())
+        cls = self._class(sampled)
+        mode = cls.speculating if (plan.num_sampled > 1).any() else cls.plain
+        mode.add(emitted / sampled, period)
+
+    def _class(self, num_rows: int) -> BatchClass:
+        key = max(num_rows, 1).bit_length()
+        cls = self.classes.get(key)
+        if cls is None:
+            cls = self.classes[key] = BatchClass(ModeRate(), ModeRate())
+        return cls
+
+    def summary(self) -> dict[int, tuple[float, float]]:
+        """Per class (its smallest batch size): (speculating, plain) tokens a second a row."""
+        return {
+            1 << (key - 1): (c.speculating.tokens_per_second, c.plain.tokens_per_second)
+            for key, c in sorted(self.classes.items())
+        }
