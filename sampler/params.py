@@ -113,7 +113,6 @@ class SamplingParams:
         "with the top-n at its position; 0: the token's only",
         at_least(0),
         Rule(f"must be <= {MAX_LOGPROBS}", lambda v: v <= MAX_LOGPROBS),
-        grpc=False,
     )
     n: int = param(1, "samples of the prompt, seeded seed, seed + 1, ...", at_least(1))
     include_stop_str_in_output: bool = param(

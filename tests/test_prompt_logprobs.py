@@ -165,3 +165,29 @@ def test_a_chat_echo_is_still_refused(server):
     body = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "echo": True}
     status, _, out = raw(server, "POST", "/v1/chat/completions", json.dumps(body).encode())
     assert status == 400 and json.loads(out)["error"]["param"] == "echo"
+
+
+# ------------------------------------------------------------------------ gRPC
+async def test_grpc_sends_the_prompt_logprobs_on_the_first_chunk(server, reference):
+    from async_engine.client import AsyncClient, Chunk
+
+    async with AsyncClient(server.address) as client:
+        events = [e async for e in client.generate(PROMPT[:12], max_tokens=3, temperature=0.0,
+                                                    ignore_eos=True, prompt_logprobs=2)]  # fmt: skip
+    chunks = [e for e in events if isinstance(e, Chunk)]
+    first, later = chunks[0].prompt_logprobs, [c.prompt_logprobs for c in chunks[1:]]
+    want = reference(PROMPT[:12])
+    assert len(first) == 11 and all(not p for p in later)
+    for i, (logprob, rank, top) in enumerate(first, 1):
+        assert logprob == pytest.approx(want[i - 1, PROMPT[i]].item(), abs=1e-4)
+        assert rank == int((want[i - 1] > want[i - 1, PROMPT[i]]).sum()) + 1
+        assert [t for t, _ in top] == want[i - 1].topk(2).indices.tolist()
+
+
+async def test_grpc_refuses_prompt_logprobs_out_of_range(server):
+    from async_engine.client import AsyncClient, InvalidArgument
+
+    async with AsyncClient(server.address) as client:
+        with pytest.raises(InvalidArgument, match="prompt_logprobs"):
+            async for _ in client.generate("hi", max_tokens=1, prompt_logprobs=99):
+                pass

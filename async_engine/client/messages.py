@@ -93,7 +93,13 @@ def to_event(msg: pb.GenerateResponse) -> Event:
     if kind == "chunk":
         c = msg.chunk
         top = [list(zip(t.token_ids, t.logprobs, strict=True)) for t in c.top_logprobs]
-        return Chunk(msg.seq, c.index, c.offset, list(c.token_ids), c.text, list(c.logprobs), top)
+        prompt = [
+            (p.logprob, p.rank, list(zip(p.top.token_ids, p.top.logprobs, strict=True)))
+            for p in c.prompt_logprobs
+        ]
+        return Chunk(
+            msg.seq, c.index, c.offset, list(c.token_ids), c.text, list(c.logprobs), top, prompt
+        )
     f = msg.finished
     matched = f.WhichOneof("matched")
     return Finished(

@@ -26,6 +26,9 @@ class Chunk:
     text: str
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # With prompt_logprobs, on a choice's first chunk: per prompt token after the first,
+    # (logprob, rank, top-n (id, logprob)).
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -221,6 +221,13 @@ def chunk(seq: int, index: int, delta: RequestDelta) -> pb.GenerateResponse:
     if delta.top_logprobs:
         for top in delta.top_logprobs:
             msg.top_logprobs.add(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+    for score in (delta.prompt_logprobs or [])[1:]:
+        entry = msg.prompt_logprobs.add()
+        if score is not None:  # not scored (a device that computes no logits)
+            logprob, rank, top = score
+            entry.logprob, entry.rank = logprob, rank
+            entry.top.token_ids.extend(t for t, _ in top)
+            entry.top.logprobs.extend(v for _, v in top)
     return pb.GenerateResponse(seq=seq, chunk=msg)
 
 

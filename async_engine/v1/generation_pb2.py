@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n async_engine/v1/generation.proto\x12\x0f\x61sync_engine.v1\"\xde\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12.\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x19.async_engine.v1.TokenIdsH\x00\x12%\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x15.async_engine.v1.ChatH\x00\x12\x31\n\x08sampling\x18\x05 \x01(\x0b\x32\x1f.async_engine.v1.SamplingParams\x12)\n\x04stop\x18\x06 \x01(\x0b\x32\x1b.async_engine.v1.StopParams\x12.\n\x06output\x18\x07 \x01(\x0b\x32\x1e.async_engine.v1.OutputOptions\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x0e\n\x06tenant\x18\t \x01(\t\x12\x19\n\x0cmax_queue_ms\x18\n \x01(\rH\x01\x88\x01\x01\x12\x1a\n\rtime_limit_ms\x18\x0b \x01(\rH\x02\x88\x01\x01\x12<\n\x11structured_output\x18\x0c \x01(\x0b\x32!.async_engine.v1.StructuredOutputB\x08\n\x06promptB\x0f\n\r_max_queue_msB\x10\n\x0e_time_limit_ms\"e\n\x10StructuredOutput\x12\x0e\n\x04json\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"6\n\x04\x43hat\x12.\n\x08messages\x18\x01 \x03(\x0b\x32\x1c.async_engine.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x83\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12\t\n\x01n\x18\t \x01(\r\x12\x16\n\tspeculate\x18\n \x01(\x08H\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0c\n\n_speculate\"\x9c\x01\n\nStopParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\x18\n\x10include_stop_str\x18\x06 \x01(\x08\x42\r\n\x0b_max_tokens\"L\n\rOutputOptions\x12\x15\n\x08logprobs\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0fskip_detokenize\x18\x02 \x01(\x08\x42\x0b\n\t_logprobs\"\xae\x01\n\x10GenerateResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12-\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0b\x32\x19.async_engine.v1.AcceptedH\x00\x12\'\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x16.async_engine.v1.ChunkH\x00\x12-\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x19.async_engine.v1.FinishedH\x00\x42\x06\n\x04kind\"L\n\x08\x41\x63\x63\x65pted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x8d\x01\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x32\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x1c.async_engine.v1.TopLogprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xd2\x01\n\x08\x46inished\x12\r\n\x05index\x18\x01 \x01(\r\x12-\n\x06reason\x18\x02 \x01(\x0e\x32\x1d.async_engine.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x03 \x01(\rH\x00\x12\x12\n\x08stop_str\x18\x04 \x01(\tH\x00\x12%\n\x05usage\x18\x05 \x01(\x0b\x32\x16.async_engine.v1.Usage\x12)\n\x07timings\x18\x06 \x01(\x0b\x32\x18.async_engine.v1.TimingsB\t\n\x07matched\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"9\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\"3\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"1\n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x03(\t\x12\x0f\n\x07unknown\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"{\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\"\x10\n\x0eGetLoadRequest\"\xc2\x01\n\x04Load\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x02\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x14\n\x0c\x64\x65vice_state\x18\x06 \x01(\t\x12\x17\n\x0f\x64\x65vice_restarts\x18\x07 \x01(\r\x12,\n\x07tenants\x18\x08 \x03(\x0b\x32\x1b.async_engine.v1.TenantLoad\">\n\nTenantLoad\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r*\xd1\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x04\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x05\x12\x1c\n\x18\x46INISH_REASON_TIME_LIMIT\x10\x06\x32\xbc\x02\n\nGeneration\x12Q\n\x08Generate\x12 .async_engine.v1.GenerateRequest\x1a!.async_engine.v1.GenerateResponse0\x01\x12\x46\n\x05\x41\x62ort\x12\x1d.async_engine.v1.AbortRequest\x1a\x1e.async_engine.v1.AbortResponse\x12P\n\x0cGetModelInfo\x12$.async_engine.v1.GetModelInfoRequest\x1a\x1a.async_engine.v1.ModelInfo\x12\x41\n\x07GetLoad\x12\x1f.async_engine.v1.GetLoadRequest\x1a\x15.async_engine.v1.Loadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n async_engine/v1/generation.proto\x12\x0f\x61sync_engine.v1\"\xde\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12.\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x19.async_engine.v1.TokenIdsH\x00\x12%\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x15.async_engine.v1.ChatH\x00\x12\x31\n\x08sampling\x18\x05 \x01(\x0b\x32\x1f.async_engine.v1.SamplingParams\x12)\n\x04stop\x18\x06 \x01(\x0b\x32\x1b.async_engine.v1.StopParams\x12.\n\x06output\x18\x07 \x01(\x0b\x32\x1e.async_engine.v1.OutputOptions\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x0e\n\x06tenant\x18\t \x01(\t\x12\x19\n\x0cmax_queue_ms\x18\n \x01(\rH\x01\x88\x01\x01\x12\x1a\n\rtime_limit_ms\x18\x0b \x01(\rH\x02\x88\x01\x01\x12<\n\x11structured_output\x18\x0c \x01(\x0b\x32!.async_engine.v1.StructuredOutputB\x08\n\x06promptB\x0f\n\r_max_queue_msB\x10\n\x0e_time_limit_ms\"e\n\x10StructuredOutput\x12\x0e\n\x04json\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"6\n\x04\x43hat\x12.\n\x08messages\x18\x01 \x03(\x0b\x32\x1c.async_engine.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x83\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12\t\n\x01n\x18\t \x01(\r\x12\x16\n\tspeculate\x18\n \x01(\x08H\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0c\n\n_speculate\"\x9c\x01\n\nStopParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\x18\n\x10include_stop_str\x18\x06 \x01(\x08\x42\r\n\x0b_max_tokens\"~\n\rOutputOptions\x12\x15\n\x08logprobs\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0fskip_detokenize\x18\x02 \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x03 \x01(\rH\x01\x88\x01\x01\x42\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xae\x01\n\x10GenerateResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12-\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0b\x32\x19.async_engine.v1.AcceptedH\x00\x12\'\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x16.async_engine.v1.ChunkH\x00\x12-\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x19.async_engine.v1.FinishedH\x00\x42\x06\n\x04kind\"L\n\x08\x41\x63\x63\x65pted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xc6\x01\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x32\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x1c.async_engine.v1.TopLogprobs\x12\x37\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1e.async_engine.v1.PromptLogprob\"Y\n\rPromptLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12)\n\x03top\x18\x03 \x01(\x0b\x32\x1c.async_engine.v1.TopLogprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xd2\x01\n\x08\x46inished\x12\r\n\x05index\x18\x01 \x01(\r\x12-\n\x06reason\x18\x02 \x01(\x0e\x32\x1d.async_engine.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x03 \x01(\rH\x00\x12\x12\n\x08stop_str\x18\x04 \x01(\tH\x00\x12%\n\x05usage\x18\x05 \x01(\x0b\x32\x16.async_engine.v1.Usage\x12)\n\x07timings\x18\x06 \x01(\x0b\x32\x18.async_engine.v1.TimingsB\t\n\x07matched\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"9\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\"3\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"1\n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x03(\t\x12\x0f\n\x07unknown\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"{\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\"\x10\n\x0eGetLoadRequest\"\xc2\x01\n\x04Load\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x02\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x14\n\x0c\x64\x65vice_state\x18\x06 \x01(\t\x12\x17\n\x0f\x64\x65vice_restarts\x18\x07 \x01(\r\x12,\n\x07tenants\x18\x08 \x03(\x0b\x32\x1b.async_engine.v1.TenantLoad\">\n\nTenantLoad\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r*\xd1\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x04\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x05\x12\x1c\n\x18\x46INISH_REASON_TIME_LIMIT\x10\x06\x32\xbc\x02\n\nGeneration\x12Q\n\x08Generate\x12 .async_engine.v1.GenerateRequest\x1a!.async_engine.v1.GenerateResponse0\x01\x12\x46\n\x05\x41\x62ort\x12\x1d.async_engine.v1.AbortRequest\x1a\x1e.async_engine.v1.AbortResponse\x12P\n\x0cGetModelInfo\x12$.async_engine.v1.GetModelInfoRequest\x1a\x1a.async_engine.v1.ModelInfo\x12\x41\n\x07GetLoad\x12\x1f.async_engine.v1.GetLoadRequest\x1a\x15.async_engine.v1.Loadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'async_engine.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2728
-  _globals['_FINISHREASON']._serialized_end=2937
+  _globals['_FINISHREASON']._serialized_start=2926
+  _globals['_FINISHREASON']._serialized_end=3135
   _globals['_GENERATEREQUEST']._serialized_start=54
   _globals['_GENERATEREQUEST']._serialized_end=532
   _globals['_STRUCTUREDOUTPUT']._serialized_start=534
@@ -48,35 +48,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPPARAMS']._serialized_start=1155
   _globals['_STOPPARAMS']._serialized_end=1311
   _globals['_OUTPUTOPTIONS']._serialized_start=1313
-  _globals['_OUTPUTOPTIONS']._serialized_end=1389
-  _globals['_GENERATERESPONSE']._serialized_start=1392
-  _globals['_GENERATERESPONSE']._serialized_end=1566
-  _globals['_ACCEPTED']._serialized_start=1568
-  _globals['_ACCEPTED']._serialized_end=1644
-  _globals['_CHUNK']._serialized_start=1647
-  _globals['_CHUNK']._serialized_end=1788
-  _globals['_TOPLOGPROBS']._serialized_start=1790
-  _globals['_TOPLOGPROBS']._serialized_end=1840
-  _globals['_FINISHED']._serialized_start=1843
-  _globals['_FINISHED']._serialized_end=2053
-  _globals['_USAGE']._serialized_start=2055
-  _globals['_USAGE']._serialized_end=2135
-  _globals['_TIMINGS']._serialized_start=2137
-  _globals['_TIMINGS']._serialized_end=2194
-  _globals['_ABORTREQUEST']._serialized_start=2196
-  _globals['_ABORTREQUEST']._serialized_end=2247
-  _globals['_ABORTRESPONSE']._serialized_start=2249
-  _globals['_ABORTRESPONSE']._serialized_end=2298
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2300
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2321
-  _globals['_MODELINFO']._serialized_start=2323
-  _globals['_MODELINFO']._serialized_end=2446
-  _globals['_GETLOADREQUEST']._serialized_start=2448
-  _globals['_GETLOADREQUEST']._serialized_end=2464
-  _globals['_LOAD']._serialized_start=2467
-  _globals['_LOAD']._serialized_end=2661
-  _globals['_TENANTLOAD']._serialized_start=2663
-  _globals['_TENANTLOAD']._serialized_end=2725
-  _globals['_GENERATION']._serialized_start=2940
-  _globals['_GENERATION']._serialized_end=3256
+  _globals['_OUTPUTOPTIONS']._serialized_end=1439
+  _globals['_GENERATERESPONSE']._serialized_start=1442
+  _globals['_GENERATERESPONSE']._serialized_end=1616
+  _globals['_ACCEPTED']._serialized_start=1618
+  _globals['_ACCEPTED']._serialized_end=1694
+  _globals['_CHUNK']._serialized_start=1697
+  _globals['_CHUNK']._serialized_end=1895
+  _globals['_PROMPTLOGPROB']._serialized_start=1897
+  _globals['_PROMPTLOGPROB']._serialized_end=1986
+  _globals['_TOPLOGPROBS']._serialized_start=1988
+  _globals['_TOPLOGPROBS']._serialized_end=2038
+  _globals['_FINISHED']._serialized_start=2041
+  _globals['_FINISHED']._serialized_end=2251
+  _globals['_USAGE']._serialized_start=2253
+  _globals['_USAGE']._serialized_end=2333
+  _globals['_TIMINGS']._serialized_start=2335
+  _globals['_TIMINGS']._serialized_end=2392
+  _globals['_ABORTREQUEST']._serialized_start=2394
+  _globals['_ABORTREQUEST']._serialized_end=2445
+  _globals['_ABORTRESPONSE']._serialized_start=2447
+  _globals['_ABORTRESPONSE']._serialized_end=2496
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2498
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2519
+  _globals['_MODELINFO']._serialized_start=2521
+  _globals['_MODELINFO']._serialized_end=2644
+  _globals['_GETLOADREQUEST']._serialized_start=2646
+  _globals['_GETLOADREQUEST']._serialized_end=2662
+  _globals['_LOAD']._serialized_start=2665
+  _globals['_LOAD']._serialized_end=2859
+  _globals['_TENANTLOAD']._serialized_start=2861
+  _globals['_TENANTLOAD']._serialized_end=2923
+  _globals['_GENERATION']._serialized_start=3138
+  _globals['_GENERATION']._serialized_end=3454
 # @@protoc_insertion_point(module_scope)
