@@ -41,13 +41,16 @@ bench: $(STAMP)
 # pytest, hypothesis), pinned to this venv's versions, as cp312 x86-64 wheels in wheels/ for
 # `make gpu-check` there (no package index). grpcio and protobuf come too: the grpc-* wheels
 # need these versions. pytest and hypothesis too, so the CUDA tests run on the versions CI
-# runs. A device call carries 64 MiB in all, so more than 60 MiB of wheels fails here.
+# runs, with what pytest 9.2 needs at least (pluggy >= 1.6, iniconfig >= 2, packaging >= 24,
+# pygments >= 2.15: the host's may be older). A device call carries 64 MiB in all, so more
+# than 60 MiB of wheels fails here.
 GPU_WHEELS := structlog==26.1.0 gguf==0.19.0 llguidance==1.9.1 starlette==1.10.0 \
 	uvicorn==0.55.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 \
 	referencing==0.37.0 rpds-py==2026.9.1 grpcio==1.85.3 protobuf==7.36.2 \
 	grpcio-tools==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
 	grpcio-status==1.85.3 googleapis-common-protos==1.76.0 \
-	pytest==9.2.0 pytest-asyncio==1.5.0 hypothesis==6.170.17
+	pytest==9.2.0 pytest-asyncio==1.5.0 hypothesis==6.170.17 \
+	pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 pygments==2.21.0
 
 gpu-wheels: $(STAMP)
 	rm -rf wheels
@@ -61,7 +64,7 @@ gpu-wheels: $(STAMP)
 
 # On a GPU host, with its own Python (CUDA torch, triton, cupy; no package index, so no venv)
 # and wheels/ from `make gpu-wheels` (unpacked into a temporary folder, installed nowhere).
-# Phases, each with its own time limit (470 s in all):
+# Phases, each with its own time limit (560 s in all):
 #   kernels      Triton attention and the CUDA glue kernels vs their torch references on the
 #                GPU (fp32/fp16/bf16); decode attention timed against the gather path.
 #   identity     the CUDA engine (pipelined runner) generates exactly the CPU engine's tokens
@@ -72,6 +75,9 @@ gpu-wheels: $(STAMP)
 #   bench        bench offline, dummy bf16 135M at batch 64 and 256: tokens/s overlap on/off
 #                and graphs on/off, device busy share; targets reported, not failed on.
 #   profile      profile --compare overlap on/off: busy share, idle-gap percentiles, blame.
+#   speculation  n-gram speculation's greedy tokens equal plain decoding's (verify steps in
+#                CUDA graphs, overlap off, graphs off); tokens/s with and without it at batch
+#                1, 16 and 64, reported.
 # One JSON line per phase in GPU_CHECK_OUT (from a device call: GPU_CHECK_OUT=$OUT/gpu-check.json
 # so that a killed call still returns it); exits non-zero on any mismatch, failure or time-out.
 GPU_CHECK_OUT ?= gpu-check.json

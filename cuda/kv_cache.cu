@@ -1,8 +1,9 @@
 // Write the K and V of new tokens into the paged cache: one thread block per token.
 // Cache layout: [num_blocks * block_size, num_kv_heads * head_dim] (row = KV slot).
-
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+//
+// No headers: the store moves 16-bit words and does no arithmetic, so bfloat16 and float16
+// are both unsigned shorts here. NVRTC ships no cuda_bf16.h / cuda_fp16.h, and CuPy's CUDA
+// 13 wheels no longer bundle them: a kernel that included them would not compile there.
 
 template <typename T>
 __device__ void store_kv_impl(
@@ -22,15 +23,15 @@ __device__ void store_kv_impl(
 }
 
 extern "C" __global__ void store_kv_bf16(
-    __nv_bfloat16* k_cache, __nv_bfloat16* v_cache, const __nv_bfloat16* k,
-    const __nv_bfloat16* v, const long long* slot_mapping, int row_width)
+    unsigned short* k_cache, unsigned short* v_cache, const unsigned short* k,
+    const unsigned short* v, const long long* slot_mapping, int row_width)
 {
     store_kv_impl(k_cache, v_cache, k, v, slot_mapping, row_width);
 }
 
 extern "C" __global__ void store_kv_f16(
-    __half* k_cache, __half* v_cache, const __half* k, const __half* v,
-    const long long* slot_mapping, int row_width)
+    unsigned short* k_cache, unsigned short* v_cache, const unsigned short* k,
+    const unsigned short* v, const long long* slot_mapping, int row_width)
 {
     store_kv_impl(k_cache, v_cache, k, v, slot_mapping, row_width);
 }

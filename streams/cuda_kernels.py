@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,15 @@ def _module(name: str) -> Any:
     source = (CUDA_DIR / f"{name}.cu").read_text()
     # NVRTC (CuPy's default backend) compiles at run time without a CUDA toolkit installed.
     return cupy.RawModule(code=source, options=("-std=c++17",))
+
+
+def kernel_names() -> list[tuple[str, str]]:
+    """(module, kernel) for every kernel that cuda/*.cu exports."""
+    return [
+        (path.stem, name)
+        for path in sorted(CUDA_DIR.glob("*.cu"))
+        for name in re.findall(r'extern "C" __global__ void (\w+)', path.read_text())
+    ]
 
 
 @functools.cache

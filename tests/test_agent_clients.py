@@ -116,8 +116,28 @@ async def test_openai_async_loop(base_url: str):
     await client.close()
 
 
+def test_openai_responses_loop_continues_by_previous_response_id(client):
+    tool = {"type": "function", **WEATHER["function"]}
+    first = client.responses.create(
+        model="default", input=QUESTION, tools=[tool], tool_choice="required",
+        temperature=0, max_output_tokens=40,
+    )  # fmt: skip
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert calls
+    for call in calls:
+        _check_call(call.name, call.arguments)
+    results = [{"type": "function_call_output", "call_id": c.call_id, "output": RESULT}
+               for c in calls]  # fmt: skip
+    with client.responses.stream(
+        model="default", previous_response_id=first.id, input=results, tools=[tool],
+        tool_choice="none", temperature=0, max_output_tokens=40,
+    ) as stream:  # fmt: skip
+        final = stream.get_final_response()
+    assert final.output_text and not [i for i in final.output if i.type == "function_call"]
+
+
 # ------------------------------------------------------------------ openai-agents
-def _agent(base_url: str, **options):
+def _agent(base_url: str, responses: bool = False, **options):
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
     calls: list[str] = []
@@ -131,7 +151,8 @@ def _agent(base_url: str, **options):
         return RESULT
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
-    model = agents.OpenAIChatCompletionsModel(model="default", openai_client=client)
+    kind = agents.OpenAIResponsesModel if responses else agents.OpenAIChatCompletionsModel
+    model = kind(model="default", openai_client=client)
     settings = agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=60)
     agent = agents.Agent(
         name="weather",
@@ -150,6 +171,26 @@ async def test_openai_agents_runner_finishes_the_loop(base_url: str):
     assert calls and isinstance(result.final_output, str) and result.final_output
     kinds = [item.type for item in result.new_items]
     assert "tool_call_item" in kinds and "tool_call_output_item" in kinds
+
+
+async def test_openai_agents_responses_model_finishes_the_loop(base_url: str):
+    agents, agent, calls = _agent(base_url, responses=True)
+    result = await agents.Runner.run(agent, QUESTION, max_turns=3)
+    assert calls and isinstance(result.final_output, str) and result.final_output
+    kinds = [item.type for item in result.new_items]
+    assert "tool_call_item" in kinds and "tool_call_output_item" in kinds
+
+
+async def test_openai_agents_streamed_responses_model_finishes_the_loop(base_url: str):
+    agents, agent, calls = _agent(base_url, responses=True)
+    result = agents.Runner.run_streamed(agent, QUESTION, max_turns=3)
+    kinds = [
+        event.item.type
+        async for event in result.stream_events()
+        if event.type == "run_item_stream_event"
+    ]
+    assert "tool_call_item" in kinds and "tool_call_output_item" in kinds
+    assert calls and result.final_output
 
 
 async def test_openai_agents_streamed_runner_finishes_the_loop(base_url: str):

@@ -136,3 +136,18 @@ def test_cuda_engine_greedy_equals_cpu_engine(tiny_model: Path):
         with LLM(str(tiny_model), dtype="float32", device=device) as llm:
             outs[device] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["cuda"] == outs["cpu"]
+
+
+def test_no_kernel_includes_a_header_nvrtc_does_not_ship():
+    """The engine compiles cuda/*.cu with NVRTC through CuPy, which has no CUDA headers
+    (cuda_bf16.h, cuda_fp16.h, ...) on a host without a toolkit."""
+    for source in KERNELS:
+        includes = [line for line in source.read_text().splitlines() if line.startswith("#include")]
+        assert not includes, f"{source.name}: {includes}"
+
+
+def test_every_exported_kernel_is_named_for_the_gpu_checks_fallback_check():
+    from streams.cuda_kernels import kernel_names
+
+    names = set(kernel_names())
+    assert {("kv_cache", "store_kv_bf16"), ("tokens", "fill_placeholders")} <= names

@@ -38,18 +38,25 @@ from streams.pipeline.runner import PipelinedRunner
 from streams.plan import PLACEHOLDER, NewRow, StepPlan, int32s, int64s
 
 # Triton's interpreter must be chosen before triton is first imported (its own jitted helpers
-# are decorated then), and only for this import: see tests/test_triton_attention.py.
-_BEFORE = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    from async_engine.model.gpu_kernels import paged_attention as interpreted_kernels
-except ImportError:  # no triton: the Triton test is skipped
-    interpreted_kernels = None
-finally:
-    if _BEFORE is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _BEFORE
+# are decorated then), and only for this import: see tests/test_triton_attention.py. Never
+# where a GPU is: the module is the process's one, and the CUDA runner of the cuda-marked
+# tests below would launch the interpreted kernels (make gpu-check runs them compiled).
+interpreted_kernels = None
+NO_INTERPRETER = "triton is not installed"
+if torch.cuda.is_available():
+    NO_INTERPRETER = "a CUDA device is present: the kernels run compiled there, not interpreted"
+else:
+    _BEFORE = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        from async_engine.model.gpu_kernels import paged_attention as interpreted_kernels
+    except ImportError:  # no triton: the Triton tests are skipped
+        pass
+    finally:
+        if _BEFORE is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = _BEFORE
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +186,7 @@ def test_the_triton_attention_path_gives_the_references_tokens(tiny, monkeypatch
     """The CUDA configuration's attention (device-side plans, decode buckets) under Triton's
     interpreter: prefill chunks, then decodes through the padded static buffers."""
     if interpreted_kernels is None:
-        pytest.skip("triton is not installed")
+        pytest.skip(NO_INTERPRETER)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert interpreted_kernels.INTERPRETED
     greedy = SamplingParams(temperature=0, max_tokens=None)
@@ -238,7 +245,7 @@ def test_rows_of_several_tokens_under_triton_attention_give_the_references_token
     interpreter: the varlen kernel with several query tokens a row, and the padded verify
     buckets the CUDA graphs capture."""
     if interpreted_kernels is None:
-        pytest.skip("triton is not installed")
+        pytest.skip(NO_INTERPRETER)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     options = {"attention": "triton", "graph_max_batch": 8}
     if buckets:

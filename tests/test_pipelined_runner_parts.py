@@ -6,6 +6,7 @@ tests/test_pipelined_runner.py.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from pipelined_runs import BLOCK, first_step_plan, make_tiny_model, pipelined_runner, seeded_model
@@ -153,17 +154,47 @@ class FakeSync(devsync.DeviceSync):
 
 
 def test_events_map_onto_the_host_clock_through_the_anchor():
-    host = iter([100.0, 100.5, 103.0])
+    host = iter([99.9, 100.1, 100.5, 103.0])
     clock = EventClock(FakeSync([5000.0]), now=lambda: next(host))
-    clock.anchor()  # device 5000 ms == host 100 s
+    clock.anchor()  # device 5000 ms == host 100 s: the midpoint of the stamps around it
     assert clock.to_host(FakeEvent(5250.0)) == pytest.approx(100.25)
     assert clock.to_host(FakeEvent(4990.0)) == pytest.approx(99.99)
     assert not clock.anchor_due()  # host 100.5: half a second after the anchor
     assert clock.anchor_due()  # host 103.0
 
 
+class Float32Event(FakeEvent):
+    """A CUDA event's elapsed_time: float32 milliseconds."""
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return float(np.float32(end.at_ms - self.at_ms))
+
+
+def test_gaps_stay_precise_through_an_hour_without_an_idle_anchor():
+    """Float32 milliseconds from one anchor place events an hour on to ~0.1 ms: as coarse as
+    the gaps measured. With step ends as anchors, a gap reads two events a fraction of a
+    second after the same anchor."""
+    host = iter([10.0, 10.0])
+    clock = EventClock(FakeSync([0.0]), now=lambda: next(host))
+    clock.anchor()
+    clock._anchor = (Float32Event(0.0), 10.0)  # the anchor's elapsed_time is float32 too
+    worst_gap = worst_single = 0.0
+    step_ms, busy_ms = 100.0333, 99.0071  # steps back to back: a 1.0262 ms gap each
+    last_end = clock.to_host(Float32Event(0.0), advance=True)
+    for i in range(1, 36_000):  # an hour, never idle
+        at = i * step_ms
+        start = clock.to_host(Float32Event(at - busy_ms))
+        gap = start - last_end
+        worst_gap = max(worst_gap, abs(gap - (step_ms - busy_ms) / 1e3))
+        single = float(np.float32(at - busy_ms)) - float(np.float32(at - step_ms))
+        worst_single = max(worst_single, abs(single - (step_ms - busy_ms)) / 1e3)
+        last_end = clock.to_host(Float32Event(at), advance=True)
+    assert worst_gap < 0.5e-6 and worst_single > 50 * worst_gap
+    assert abs(last_end - (10.0 + at / 1e3)) < 1e-4  # placement drifts little meanwhile
+
+
 def test_gaps_between_steps_come_from_the_events_alone():
-    host = iter([50.0])
+    host = iter([50.0, 50.0])
     clock = EventClock(FakeSync([0.0]), now=lambda: next(host))
     clock.anchor()
     end_n, start_next = FakeEvent(10.0), FakeEvent(10.25)
@@ -299,3 +330,47 @@ def test_a_device_process_whose_gpu_is_lost_exits_and_the_control_plane_sees_it(
         assert not device.alive()
     finally:
         device.kill()
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "Triton Error [CUDA]: an illegal memory access was encountered",
+        "CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered",
+        "cudaErrorLaunchFailure: unspecified launch failure",
+    ],
+)
+def test_triton_and_cupy_cuda_failures_lose_the_device(message):
+    with pytest.raises(DeviceError, match="context is lost"):
+        _raise_if_device_lost(RuntimeError(message))
+
+
+def test_cupy_out_of_memory_fails_the_step_alone():
+    _raise_if_device_lost(RuntimeError("CUDA_ERROR_OUT_OF_MEMORY: out of memory"))
+
+
+def test_a_step_whose_forward_fails_frees_its_slot_only_once_the_device_is_done(tiny):
+    runner = pipelined_runner(tiny, cuda_graphs=False)
+    waits = []
+    runner.sync.synchronize = lambda: waits.append(runner._free.qsize())
+
+    def broken(*args):
+        raise RuntimeError("the forward failed")
+
+    runner.forward = broken
+    failed = runner.finish(runner.launch(first_step_plan()))
+    assert failed.error and "the forward failed" in failed.error
+    assert waits == [SLOTS - 1]  # the device was waited for while the slot was still held
+    assert runner._free.qsize() == SLOTS
+
+
+def test_a_step_that_fails_before_the_device_rows_take_its_plan_loses_the_device(tiny):
+    runner = pipelined_runner(tiny, cuda_graphs=False)
+
+    def broken(plan):
+        raise RuntimeError("the join failed")
+
+    runner.rows.join = broken
+    with pytest.raises(DeviceError, match="no longer the host's"):
+        runner.launch(first_step_plan())
+    assert runner._free.qsize() == SLOTS

@@ -27,6 +27,11 @@ from streams.batch import ForwardBatch
 # triton is first imported; the interpreter reads it again as kernels run (see the fixture).
 # It is put back in between so that other tests, and the processes they start, do not
 # inherit it.
+if torch.cuda.is_available():  # the module would be the process's: see test_pipelined_runner
+    pytest.skip(
+        "a CUDA device is present: the kernels are tested compiled (make gpu-check)",
+        allow_module_level=True,
+    )
 _BEFORE = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"
 try:
@@ -292,3 +297,13 @@ def test_the_package_does_not_import_triton():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == ("True" if torch.cuda.is_available() else "False")
+
+
+def test_interpreted_kernels_are_never_used_for_a_cuda_device(monkeypatch):
+    """A process that imported the kernels under the interpreter (as this module does) keeps
+    the torch path on a GPU: interpreted launches copy every tensor to the host, which graph
+    capture and a step without host syncs cannot take."""
+    assert pa.INTERPRETED
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    reason = gpu_kernels.unavailable_reason()
+    assert reason is not None and "interpreter" in reason

@@ -114,9 +114,15 @@ def check_glue() -> bool:
     slots, buffer = torch.tensor([0, 1, 2, 3], device="cuda"), torch.arange(10, 14, device="cuda")
     cuda_kernels.fill_placeholders(ids, slots, buffer)
     cuda_kernels.fill_placeholders_twin(want, slots, buffer)
-    loaded = cuda_kernels._kernel("tokens", "fill_placeholders") is not None
-    good = loaded and torch.equal(ids, want)
-    emit({"check": "glue", "kernels_loaded": loaded, "ok": good})
+    # Every kernel of cuda/*.cu must load through NVRTC: the engine would fall back to its
+    # torch twin with a log line only, and this check is where that must fail loudly.
+    fell_back = [
+        f"{module}:{name}"
+        for module, name in cuda_kernels.kernel_names()
+        if cuda_kernels._kernel(module, name) is None
+    ]
+    good = not fell_back and torch.equal(ids, want)
+    emit({"check": "glue", "fell_back": fell_back, "ok": good})
     return good
 
 

@@ -28,6 +28,13 @@ def _opt(default: object, help: str, choices: tuple[str, ...] | None = None) -> 
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str = _opt("default", "default | HF folder | .gguf file")
@@ -273,8 +280,9 @@ class EngineConfig:
         return "bfloat16" if cpu_has_fast_bf16() else "float32"
 
     def resolved_device_threads(self) -> int:
-        """Every core by default: the device's steps, not the control plane (well under 1 %
-        of a CPU step, see bench offline), are where the time goes."""
+        """Every core this process may run on by default (its affinity mask: a container or
+        taskset may allow fewer than the machine has): the device's steps, not the control
+        plane (well under 1 % of a CPU step, see bench offline), are where the time goes."""
         if self.device_threads is not None:
             return max(1, self.device_threads)
-        return max(1, os.cpu_count() or 1)
+        return usable_cores()

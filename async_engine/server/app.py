@@ -60,6 +60,7 @@ class GenerationServer:
         self.port = 0
         self.metrics_port: int | None = None
         self.http_port: int | None = None
+        self.http_app: Any = None  # the OpenAI HTTP app (server/http/app.py), once started
         self._parts = contextlib.AsyncExitStack()  # what start started, each with its stop
         self._grace_s: float | None = 0.0  # for the gRPC server's stop (see stop)
         self._health_updates: set[asyncio.Task] = set()
@@ -126,7 +127,8 @@ class GenerationServer:
         from async_engine.server.http.server import HttpServer
 
         opts = self.options
-        app = OpenAIApp(self.state, opts.max_message_bytes, opts.http_body_timeout_s).app
+        self.http_app = OpenAIApp(self.state, opts.max_message_bytes, opts.http_body_timeout_s)
+        app = self.http_app.app
         host = opts.http_host or opts.host
         http = HttpServer(app, host, opts.http_port or 0, opts.http_header_timeout_s)
         await http.start()

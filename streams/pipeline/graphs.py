@@ -144,9 +144,12 @@ class DecodeGraphs:
         """Capture every bucket, largest first, into one memory pool (a GPU only)."""
         if not sync.graph_capable or self._attention is None:
             raise RuntimeError("decode graphs need CUDA and a device-side attention plan")
+        # The KV cache's zeroing and these buffers' were issued on the default stream: the
+        # warm-up on ``stream`` must not read them before they are written.
+        sync.synchronize()
         for size, q in sorted(self.keys, key=lambda key: key[0] * key[1], reverse=True):
-            self._pad(0, size, q)
             with sync.use(stream):
+                self._pad(0, size, q)
                 self._forward(size, q, None)  # warm-up: kernel compiles and allocator
             stream.synchronize()
             graph = torch.cuda.CUDAGraph()

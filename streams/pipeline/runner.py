@@ -117,6 +117,7 @@ class PipelinedRunner:
         self.sync.synchronize()
         self.clock = EventClock(self.sync)
         self.clock.anchor(self.compute)
+        self._state_applied = True  # whether the launching step's plan reached the device rows
 
     # ------------------------------------------------------------------ steps
     def launch(self, plan: StepPlan, arrived_at: float | None = None) -> Pending | StepResult:
@@ -150,7 +151,8 @@ class PipelinedRunner:
             if pending.has_logprobs:
                 logprobs = slot.logprobs[:count].tolist()
                 top = slot.top_lists(count, pending.top, pending.wanted)
-            start, end = self.clock.to_host(pending.start), self.clock.to_host(pending.end)
+            start = self.clock.to_host(pending.start)
+            end = self.clock.to_host(pending.end, advance=True)
         except Exception as exc:
             _raise_if_device_lost(exc)
             raise
@@ -205,14 +207,23 @@ class PipelinedRunner:
         slot = self._free.get()
         try:
             return self._enqueue(plan, layout, slot, sections)
-        except BaseException:
+        except BaseException as exc:
+            # Work of the step may be queued still, reading the slot's buffers: they are
+            # free again only once the device has done it.
+            self.sync.synchronize()
             self._free.put(slot)
+            if not isinstance(exc, DeviceError) and not self._state_applied:
+                raise DeviceError(
+                    f"a step failed before the device's row state took its plan ({exc!r}): "
+                    "the device's rows are no longer the host's"
+                ) from exc
             raise
 
     def _enqueue(
         self, plan: StepPlan, layout: StepLayout, slot: Slot, sections: dict[str, np.ndarray]
     ) -> Pending:
         sync, rows = self.sync, self.rows
+        self._state_applied = False
         total = sum(len(a) for a in sections.values())
         slot = fit_slot(sync, self.device, slot, total, len(layout.sample_rows))
         offsets = slot.pack(sections)
@@ -234,6 +245,9 @@ class PipelinedRunner:
             rows.fit()
             if len(dev["delta_rows"]):
                 rows.tables.index_put_((dev["delta_rows"], dev["delta_cols"]), dev["delta_blocks"])
+            # From here a failure fails the step alone: the device's rows took the plan, as
+            # the host's did (``rows.apply``), so the two agree whatever the forward does.
+            self._state_applied = True
             cuda_kernels.fill_placeholders(dev["input_ids"], dev["token_slots"], rows.tokens)
             logits = self.forward(layout, dev, rows)
             scores = None
@@ -308,7 +322,14 @@ class PipelinedRunner:
                 self.rows.host.remember(step.layout, step.before, step.counts, tokens)
 
     def _fresh_rows(self) -> DeviceRows:
+        """Row state whose device tensors belong to the compute stream (allocated there):
+        the one stream that writes and reads them, so one that is regrown or dropped is freed
+        in order with the steps that still read it."""
         self._unrecorded = []
+        with self.sync.use(self.compute):
+            return self._new_rows()
+
+    def _new_rows(self) -> DeviceRows:
         return DeviceRows(
             self.block_size,
             self.max_blocks_per_row,
@@ -369,12 +390,18 @@ def _copy_out(slot: Slot, keep: tuple, count: int) -> int:
     return top
 
 
+# How torch, cuBLAS, Triton and CuPy (driver and runtime API) word a CUDA failure; an
+# out-of-memory one leaves the context usable.
+CONTEXT_LOST = ("CUDA error", "CUBLAS_STATUS", "Triton Error [CUDA]", "CUDA_ERROR_", "cudaError")
+OUT_OF_MEMORY = ("out of memory", "CUDA_ERROR_OUT_OF_MEMORY", "cudaErrorMemoryAllocation")
+
+
 def _raise_if_device_lost(exc: BaseException) -> None:
     """A CUDA error other than out-of-memory leaves the context unusable: the device as a
     whole has failed, and its supervisor replaces the process."""
     text = str(exc)
-    if isinstance(exc, RuntimeError) and ("CUDA error" in text or "CUBLAS_STATUS" in text):
-        if "out of memory" not in text:
+    if isinstance(exc, RuntimeError) and any(mark in text for mark in CONTEXT_LOST):
+        if not any(mark in text for mark in OUT_OF_MEMORY):
             raise DeviceError(f"the CUDA context is lost: {text}") from exc
 
 

@@ -152,7 +152,9 @@ def new_slot(sync: DeviceSync, device: torch.device, ints: int, sampled: int) ->
     pin = sync.pinned
     return Slot(
         host_in=pin(ints, torch.int64),
-        dev_in=torch.zeros(ints, dtype=torch.int64, device=device),
+        # Not zeroed: a step's copy writes what it reads, and a zero-fill issued on this
+        # thread's stream could land after the H2D stream's copy into it.
+        dev_in=torch.empty(ints, dtype=torch.int64, device=device),
         tokens=pin(sampled, torch.int64),
         logprobs=pin(sampled, torch.float32),
         top_ids=pin(sampled * MAX_TOP, torch.int64),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import sys
 
 import torch
 
@@ -30,6 +31,11 @@ def unavailable_reason() -> str | None:
         import triton  # noqa: F401
     except Exception as exc:  # a broken install must not take the engine down
         return f"triton does not import: {exc!r}"
+    kernels = sys.modules.get(f"{__name__}.paged_attention")
+    if kernels is not None and kernels.INTERPRETED:
+        # Decorated under TRITON_INTERPRET=1 (a test's import): every launch would copy the
+        # tensors to the host, which a CUDA step (graph capture, no host syncs) cannot take.
+        return "the kernels were imported under Triton's interpreter (TRITON_INTERPRET=1)"
     return None
 
 

@@ -11,7 +11,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Any
 
@@ -26,9 +26,11 @@ from starlette.types import Receive
 
 from async_engine.core.supervisor import DeviceState
 from async_engine.server.auth import NotAllowed, Principal
+from async_engine.server.codec import Limits
+from async_engine.server.http import responses
 from async_engine.server.http.errors import HttpError, bad_request
 from async_engine.server.http.generate import OpenAIGeneration
-from async_engine.server.http.protocol import chat_request, completion_request
+from async_engine.server.http.protocol import HttpSubmission, chat_request, completion_request
 from async_engine.server.http.render import render
 from async_engine.server.http.tokenize import detokenize, tokenize
 from async_engine.server.stalls import StalledStreams
@@ -52,6 +54,7 @@ class OpenAIApp:
         self.body_timeout_s = body_timeout_s
         self.model_names = {"default", str(self.engine.config.model)}
         self.created = int(time.time())  # the model card's: when this server began serving
+        self.responses = responses.ResponseStore()
         self.app = Starlette(
             routes=[
                 Route("/v1/models", self.models, methods=["GET"]),
@@ -65,6 +68,17 @@ class OpenAIApp:
                     "/v1/chat/completions/render",
                     partial(render, self, chat=True),
                     methods=["POST"],
+                ),
+                Route("/v1/responses", partial(responses.create, self), methods=["POST"]),
+                Route(
+                    "/v1/responses/{response_id}",
+                    partial(responses.retrieve, self),
+                    methods=["GET"],
+                ),
+                Route(
+                    "/v1/responses/{response_id}",
+                    partial(responses.delete, self),
+                    methods=["DELETE"],
                 ),
                 Route("/tokenize", partial(tokenize, self), methods=["POST"]),
                 Route("/detokenize", partial(detokenize, self), methods=["POST"]),
@@ -156,78 +170,106 @@ class OpenAIApp:
     # ---------------------------------------------------------- generation
     async def _generate(self, request: Request, chat: bool) -> Response:
         try:
-            principal = self._authorize(request)
-            if self.state.draining:
-                raise HttpError(503, "server is draining; retry on another replica")
-            kind = request.headers.get("content-type", "application/json").split(";")[0]
-            if kind.strip().lower() not in JSON_TYPES:
-                raise HttpError(
-                    415,
-                    f"Content-Type must be application/json, got {kind[:64]!r}",
-                    None,
-                    "unsupported_media_type",
-                )
+            principal = self._admit(request)
             body, size = await self._json(request)
-            limits = self.state.limits
             parse = chat_request if chat else completion_request
-            costly = isinstance(body, dict) and ("tools" in body or "response_format" in body)
-            if size > OFF_LOOP_BYTES or costly:
-                # Schema checks and long contents cost milliseconds: not on the shared loop.
-                sub = await asyncio.to_thread(parse, body, limits)
-            else:
-                sub = parse(body, limits)
-            sub.user = sub.user or request.headers.get("x-tenant", "")
-            if len(sub.user) > limits.max_tenant_chars:
-                raise bad_request(
-                    f"user (the tenant) is longer than {limits.max_tenant_chars} characters", "user"
-                )
-            if principal is not None:
-                try:
-                    sub.user, sub.priority = principal.admit(sub.user, sub.priority)
-                except NotAllowed as exc:
-                    field = "user" if exc.field == "tenant" else exc.field
-                    raise HttpError(403, str(exc), field, "permission_denied") from None
-            if sub.model not in self.model_names:
-                raise HttpError(
-                    404, f"model {sub.model!r} is not served here", "model", "model_not_found"
-                )
-            try:
-                tools = sub.tools.tools if sub.tools and sub.tools.choice != "none" else None
-                prepare = self.engine.prepare
-                if sub.messages is not None:
-                    sub.prompts = [await prepare(None, sub.params, sub.messages, tools)]
-                    sub.messages = None  # templated off the loop: the prompt holds its ids
-                else:
-                    sub.prompts = [await prepare(p, sub.params) for p in sub.prompts]
-            except ValueError as exc:
-                text = str(exc)
-                field = "response_format" if text.startswith("structured_output") else "prompt"
-                field = "messages" if text.startswith("messages") else field
-                raise bad_request(text, field) from None
-            request_id = request.headers.get("x-request-id")
-            if request_id is not None and len(request_id) > limits.max_request_id_chars:
-                raise bad_request(
-                    f"x-request-id is longer than {limits.max_request_id_chars} characters",
-                    "x-request-id",
-                )
-            if request_id is not None and not (request_id.isascii() and request_id.isprintable()):
-                # Header bytes arrive as latin-1: anything else would be echoed garbled.
-                raise bad_request("x-request-id must be printable ASCII", "x-request-id")
-            gen = OpenAIGeneration(self.state, sub, chat, request_id, principal)
-            gen.submit()
+            gen = await self.start(request, principal, body, size, parse, chat)
         except HttpError as exc:
             return exc.response()
         headers = {"x-request-id": gen.id}
-        if sub.stream:
-            return StreamingResponse(
-                _released(gen, self.state.stalls), media_type="text/event-stream", headers=headers
-            )
-        return await self._whole(request, gen, headers)
+        if gen.sub.stream:
+            return self.stream(gen, gen.events(), headers)
+        return await self.whole(request, gen, gen.complete(), headers)
 
-    async def _whole(self, request: Request, gen: OpenAIGeneration, headers: dict) -> Response:
-        """The answer in one response, unless the client leaves first: then its request is
-        aborted at once, as a dropped stream's is."""
-        answer = asyncio.create_task(gen.complete())
+    def stream(
+        self, gen: OpenAIGeneration, events: AsyncIterator[str], headers: dict
+    ) -> StreamingResponse:
+        """Server-sent ``events``; the generation is released however the stream ends."""
+        return StreamingResponse(
+            _released(gen, events, self.state.stalls),
+            media_type="text/event-stream",
+            headers=headers,
+        )
+
+    def _admit(self, request: Request) -> Principal | None:
+        """The caller (HttpError 401), if the server takes work (503) and JSON (415)."""
+        principal = self._authorize(request)
+        if self.state.draining:
+            raise HttpError(503, "server is draining; retry on another replica")
+        kind = request.headers.get("content-type", "application/json").split(";")[0]
+        if kind.strip().lower() not in JSON_TYPES:
+            raise HttpError(
+                415,
+                f"Content-Type must be application/json, got {kind[:64]!r}",
+                None,
+                "unsupported_media_type",
+            )
+        return principal
+
+    async def start(
+        self,
+        request: Request,
+        principal: Principal | None,
+        body: Any,
+        size: int,
+        parse: Callable[[Any, Limits], HttpSubmission],
+        chat: bool,
+    ) -> OpenAIGeneration:
+        """A parsed body's request, checked, templated and submitted (HttpError if not)."""
+        limits = self.state.limits
+        costly = isinstance(body, dict) and ("tools" in body or "response_format" in body)
+        if size > OFF_LOOP_BYTES or costly:
+            # Schema checks and long contents cost milliseconds: not on the shared loop.
+            sub = await asyncio.to_thread(parse, body, limits)
+        else:
+            sub = parse(body, limits)
+        sub.user = sub.user or request.headers.get("x-tenant", "")
+        if len(sub.user) > limits.max_tenant_chars:
+            raise bad_request(
+                f"user (the tenant) is longer than {limits.max_tenant_chars} characters", "user"
+            )
+        if principal is not None:
+            try:
+                sub.user, sub.priority = principal.admit(sub.user, sub.priority)
+            except NotAllowed as exc:
+                field = "user" if exc.field == "tenant" else exc.field
+                raise HttpError(403, str(exc), field, "permission_denied") from None
+        if sub.model not in self.model_names:
+            raise HttpError(
+                404, f"model {sub.model!r} is not served here", "model", "model_not_found"
+            )
+        try:
+            tools = sub.tools.tools if sub.tools and sub.tools.choice != "none" else None
+            prepare = self.engine.prepare
+            if sub.messages is not None:
+                sub.prompts = [await prepare(None, sub.params, sub.messages, tools)]
+                sub.messages = None  # templated off the loop: the prompt holds its ids
+            else:
+                sub.prompts = [await prepare(p, sub.params) for p in sub.prompts]
+        except ValueError as exc:
+            text = str(exc)
+            field = "response_format" if text.startswith("structured_output") else "prompt"
+            field = "messages" if text.startswith("messages") else field
+            raise bad_request(text, field) from None
+        request_id = request.headers.get("x-request-id")
+        if request_id is not None and len(request_id) > limits.max_request_id_chars:
+            raise bad_request(
+                f"x-request-id is longer than {limits.max_request_id_chars} characters",
+                "x-request-id",
+            )
+        if request_id is not None and not (request_id.isascii() and request_id.isprintable()):
+            # Header bytes arrive as latin-1: anything else would be echoed garbled.
+            raise bad_request("x-request-id must be printable ASCII", "x-request-id")
+        gen = OpenAIGeneration(self.state, sub, chat, request_id, principal)
+        gen.submit()
+        return gen
+
+    async def whole(
+        self, request: Request, gen: OpenAIGeneration, body: Awaitable[Any], headers: dict
+    ) -> Response:
+        """``body`` (the generation's answer) in one response, unless the client leaves
+        first: then its request is aborted at once, as a dropped stream's is."""
+        answer = asyncio.ensure_future(body)
         client_left = asyncio.create_task(_disconnected(request.receive))
         try:
             await asyncio.wait((answer, client_left), return_when=asyncio.FIRST_COMPLETED)
@@ -296,11 +338,13 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-async def _released(gen: OpenAIGeneration, stalls: StalledStreams) -> AsyncIterator[str]:
+async def _released(
+    gen: OpenAIGeneration, events: AsyncIterator[str], stalls: StalledStreams
+) -> AsyncIterator[str]:
     """The stream's events; its requests are released however the stream ends (a client
     that stops reading included: its stalled write is cancelled)."""
     try:
-        async for event in gen.events():
+        async for event in events:
             with stalls.write():
                 yield event
     except HttpError as exc:  # after the 200 went out: report in-band, as OpenAI does
