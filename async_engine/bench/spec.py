@@ -3,7 +3,7 @@
 Two workloads: an agent-like one (tool loops whose answers quote the conversation,
 ``bench/agent_workload.py``; on the simulated device, text that quotes itself at
 ``--agent-repeat``) and the offline bench's plain one (random prompts: nothing to draft).
-Each method gets one engine, warmed up, that runs every batch size in turn: ``batch``
+Each method gets one engine, warmed up; at each batch size every engine runs in turn: ``batch``
 requests at a time (a new one starts as one ends), overlap on. All figures come from one
 run and are printed as ratios to speculation off.
 """
@@ -75,29 +75,39 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": pick["p50"], "p95": pick["p95"]}
 
 
-async def run_method(
-    options: dict[str, Any],
+async def run_methods(
+    options: dict[str, dict[str, Any]],
     prompts: list[list[int]],
     params: SamplingParams,
     batches: list[int],
     min_requests: int,
-) -> dict[int, dict]:
+) -> dict[str, dict[int, dict]]:
+    """Each method's engine (``options`` by method), all started first, then every batch
+    size run by each in turn: on a noisy machine a slow minute falls on every method alike,
+    not on the one whose turn it was."""
     from async_engine.core.engine import AsyncEngine
 
-    engine = AsyncEngine(**options)
+    engines: dict[str, AsyncEngine] = {}
     try:
         warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        await run_batch(engine, prompts[-2:], warm, 2)
+        for method, engine_options in options.items():
+            engines[method] = AsyncEngine(**engine_options)
+            await run_batch(engines[method], prompts[-2:], warm, 2)
         # Prompts no earlier batch size ran: a drafter that remembers finished requests
         # (suffix) must not find this run's answers there.
-        out, at = {}, 0
+        out: dict[str, dict[int, dict]] = {method: {} for method in options}
+        at = 0
         for batch in batches:
             count = max(min_requests, 2 * batch)
-            out[batch] = await run_batch(engine, prompts[at : at + count], params, batch)
+            for method, engine in engines.items():
+                out[method][batch] = await run_batch(
+                    engine, prompts[at : at + count], params, batch
+                )
             at += count
         return out
     finally:
-        await engine.aclose()
+        for engine in engines.values():
+            await engine.aclose()
 
 
 async def first_difference_margins(
@@ -160,7 +170,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
     for workload in args.workloads.split(","):
         needed = sum(max(args.min_requests, 2 * b) for b in batches) + 2
         prompts = workload_prompts(workload, options, needed, args.workload_seed)
-        per_method = {}
+        by_method = {}
         for method in methods:
             run_options = dict(options)
             if sim and workload == "agent":
@@ -173,9 +183,10 @@ def cmd_spec(args: argparse.Namespace) -> int:
                 if method == "draft_model":
                     speculative["model"] = args.draft_model
                 run_options["speculative_config"] = speculative
-            per_method[method] = asyncio.run(
-                run_method(run_options, prompts, params, batches, args.min_requests)
-            )
+            by_method[method] = run_options
+        per_method = asyncio.run(
+            run_methods(by_method, prompts, params, batches, args.min_requests)
+        )
         results[workload] = per_method
         if not sim:
             margins[workload] = {
