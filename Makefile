@@ -64,7 +64,8 @@ gpu-wheels: $(STAMP)
 
 # On a GPU host, with its own Python (CUDA torch, triton, cupy; no package index, so no venv)
 # and wheels/ from `make gpu-wheels` (unpacked into a temporary folder, installed nowhere).
-# Phases, each with its own time limit (560 s in all):
+# Phases, each with its own time limit (560 s in all on a GPU host; printed at the start):
+#   compile      without a GPU only: the attention kernels compiled for sm_90a (no driver).
 #   kernels      Triton attention and the CUDA glue kernels vs their torch references on the
 #                GPU (fp32/fp16/bf16); decode attention timed against the gather path.
 #   identity     the CUDA engine (pipelined runner) generates exactly the CPU engine's tokens
@@ -78,11 +79,14 @@ gpu-wheels: $(STAMP)
 #   speculation  n-gram speculation's greedy tokens equal plain decoding's (verify steps in
 #                CUDA graphs, overlap off, graphs off); tokens/s with and without it at batch
 #                1, 16 and 64, reported.
+# Without a GPU (GPU_PYTHON=.venv/bin/python here) the GPU phases report "skipped: no GPU"
+# and the rest must pass, which proves the driver and the wheels before a GPU is lent.
 # One JSON line per phase in GPU_CHECK_OUT (from a device call: GPU_CHECK_OUT=$OUT/gpu-check.json
 # so that a killed call still returns it); exits non-zero on any mismatch, failure or time-out.
 GPU_CHECK_OUT ?= gpu-check.json
+GPU_PYTHON ?= python3
 gpu-check:
-	python3 -m async_engine.bench.gpu_check --wheels wheels --out $(GPU_CHECK_OUT)
+	$(GPU_PYTHON) -m async_engine.bench.gpu_check --wheels wheels --out $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -27,6 +27,7 @@ def phases(monkeypatch):
         ),
     }
     monkeypatch.setattr(gpu_check, "PHASES", table)
+    monkeypatch.setattr(gpu_check, "gpu_present", lambda: True)
     return table
 
 
@@ -55,6 +56,7 @@ def test_a_phase_is_cut_even_when_a_child_it_left_holds_its_output(tmp_path: Pat
         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"
     )
     monkeypatch.setattr(gpu_check, "PHASES", {"leaves": ([sys.executable, "-c", leave], 2)})
+    monkeypatch.setattr(gpu_check, "gpu_present", lambda: True)
     out = tmp_path / "report.json"
     assert gpu_check.main(["--out", str(out)]) == 1
     report = _report(out)["leaves"]
@@ -85,10 +87,43 @@ def test_the_kernel_phase_says_when_there_is_no_gpu(capsys):
 
 
 def test_the_phases_run_in_order_within_one_device_call_and_name_their_modules():
-    names = ["kernels", "identity", "pytest-cuda", "bench", "profile", "speculation"]
+    names = ["compile", "kernels", "identity", "pytest-cuda", "bench", "profile", "speculation"]
     assert list(gpu_check.PHASES) == names
-    assert sum(limit for _, limit in gpu_check.PHASES.values()) < 10 * 60 - 30
+    on_gpu = [n for n in names if gpu_check.skip_reason(n, gpu=True) is None]
+    assert on_gpu == names[1:]
+    assert sum(gpu_check.PHASES[n][1] for n in on_gpu) < 10 * 60 - 30
     assert set(gpu_check.NEEDS) == set(gpu_check.PHASES)
+
+
+def test_without_a_gpu_the_gpu_phases_are_skipped_and_the_rest_must_pass(
+    tmp_path: Path, phases, monkeypatch
+):
+    monkeypatch.setattr(gpu_check, "gpu_present", lambda: False)
+    monkeypatch.setitem(gpu_check.PHASES, "kernels", gpu_check.PHASES["bad"])
+    out = tmp_path / "report.json"
+    assert gpu_check.main(["--out", str(out), "--phases", "good,kernels"]) == 0
+    report = _report(out)
+    assert report["kernels"]["status"] == "skipped: no GPU" and report["good"]["status"] == 0
+    assert gpu_check.main(["--out", str(out), "--phases", "bad,kernels"]) == 1
+
+
+def test_the_compile_phase_runs_only_where_no_gpu_runs_the_kernels():
+    """On a GPU host the kernels phase compiles and runs the same kernels."""
+    assert gpu_check.skip_reason("compile", gpu=False) is None
+    assert gpu_check.skip_reason("compile", gpu=True).startswith("skipped")
+    assert gpu_check.COMPILE[1:3] == ["-m", "async_engine.model.gpu_kernels.aot"]
+
+
+def test_each_phases_time_limit_on_this_host_is_printed_before_the_run(
+    tmp_path: Path, phases, monkeypatch, capsys
+):
+    monkeypatch.setattr(gpu_check, "gpu_present", lambda: False)
+    monkeypatch.setitem(gpu_check.PHASES, "kernels", gpu_check.PHASES["good"])
+    gpu_check.main(["--out", str(tmp_path / "r.json"), "--phases", "good,kernels"])
+    printed = capsys.readouterr().out
+    assert "budget on this host (no GPU):" in printed
+    assert "good           30 s" in printed and "kernels         - (skipped: no GPU)" in printed
+    assert "total          30 s" in printed
 
 
 def _wheel(folder: Path, name: str, files: dict[str, str]) -> None:

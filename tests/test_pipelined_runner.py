@@ -20,6 +20,7 @@ from pipelined_runs import (
     MAX_BLOCKS,
     NUM_BLOCKS,
     PARAMS,
+    LookaheadDrafter,
     assert_same_results,
     first_step_plan,
     make_tiny_model,
@@ -254,6 +255,61 @@ def test_rows_of_several_tokens_under_triton_attention_give_the_references_token
     assert (sum(verify_bucket_steps) >= 3) == buckets
     assert max(c for r in expected for c in r.emitted(0).tolist()) > 1  # drafts were kept
     assert_same_results(expected, got)
+
+
+@pytest.fixture
+def launched_variants(monkeypatch) -> list[set]:
+    """Each Triton attention launch's specialisation key (the variant triton compiles on an
+    H200), into the last set of the list: append a set to start a new phase."""
+    from async_engine.model.gpu_kernels import aot
+
+    phases: list[set] = [set()]
+
+    def record(name: str) -> None:
+        kernel = getattr(interpreted_kernels, name)
+        key = aot.launch_keys(kernel)
+
+        class Recording:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    phases[-1].add((name, key(*args, **kwargs)))
+                    return kernel[grid](*args, **kwargs)
+
+                return launch
+
+        monkeypatch.setattr(interpreted_kernels, name, Recording())
+
+    record("paged_decode_kernel")
+    record("paged_varlen_kernel")
+    return phases
+
+
+def test_serving_launches_only_the_triton_variants_warmed_at_start(
+    tiny, monkeypatch, launched_variants, verify_bucket_steps
+):
+    """A variant compiles in 0.2-1.4 s on an H200: serving must not meet a new one. Prompt
+    chunks, decodes (block tables as wide as each step needs), rows verifying drafts and the
+    padded buckets launch only what the runners' start launched (aligned sections, the
+    block tables' stride unspecialised)."""
+    if interpreted_kernels is None:
+        pytest.skip(NO_INTERPRETER)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    buckets = {"cuda_graphs": True, "eager_buckets": True, "graph_tokens_per_row": 5}
+    reference = reference_runner(tiny)
+    drafter = LookaheadDrafter(reference)
+    verifying = pipelined_runner(
+        tiny, 16, drafter=drafter, attention="triton", graph_max_batch=8, **buckets
+    )
+    decoding = pipelined_runner(tiny, 16, attention="triton", cuda_graphs=False)
+    warmed = launched_variants[-1]
+    launched_variants.append(set())
+    walk = PlanWalk(6, 160, 16, NUM_BLOCKS, PARAMS, 4)
+    walk_two_deep(walk, reference, verifying, 16, drafter)
+    walk_two_deep(PlanWalk(7, 160, 16, NUM_BLOCKS, PARAMS), reference_runner(tiny), decoding, 16)
+    served = launched_variants[-1]
+    assert any(verify_bucket_steps)  # rows of several tokens ran in the padded buckets
+    assert {name for name, _ in served} == {"paged_decode_kernel", "paged_varlen_kernel"}
+    assert served <= warmed, f"compiled while serving: {served - warmed}"
 
 
 # ------------------------------------------------------------------ through the engine

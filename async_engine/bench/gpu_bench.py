@@ -22,6 +22,7 @@ MAX_TOKENS = 128
 BUSY_TARGET = 0.95  # steady decode at batch 64, overlap on
 OVERLAP_TARGET = 1.2  # tokens/s overlap on / off
 GRAPHS_TARGET = 1.5  # tokens/s graphs on / off, overlap on
+MAX_PROMPT = 300  # tokens, the longest prompt of a run
 
 
 def offline_argv(
@@ -49,6 +50,12 @@ def offline_argv(
         str(batch),
         "--max-num-seqs",
         str(batch),
+        "--num-kv-blocks",
+        # The KV pool the run needs (each request's longest prompt and its tokens, in
+        # 16-token blocks), not 90 % of the GPU: a start zeroes and maps only that.
+        str(batch * (-(-(MAX_PROMPT + max_tokens) // 16) + 1) + 16),
+        "--max-prompt",
+        str(MAX_PROMPT),
         "--max-tokens",
         str(max_tokens),
         "--rounds",

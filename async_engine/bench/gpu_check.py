@@ -6,6 +6,10 @@ there): ``python3 -m async_engine.bench.gpu_check --wheels wheels --out gpu-chec
 ``wheels`` holding what ``make gpu-wheels`` downloaded: they are unpacked into a temporary
 folder put first on the path, nothing is installed. Exit status 1 on any mismatch, failed
 phase or time-out.
+
+On a host without a GPU (``make gpu-check GPU_PYTHON=.venv/bin/python``) the phases that need
+one are reported "skipped: no GPU" and the rest must pass: the driver, the wheels and the
+sm_90a compile of the attention kernels are proven before a GPU is lent.
 """
 
 from __future__ import annotations
@@ -47,9 +51,19 @@ def _module(name: str) -> list[str]:
     return [sys.executable, "-m", f"async_engine.bench.{name}"]
 
 
-# name -> (command, seconds allowed), in order. 560 s in all: under one device call's 10
-# minutes, with a machine's start inside a 15-minute lease.
+# The attention kernels compiled for sm_90a with no driver, for the shapes the GPU phases run
+# (bf16 and fp16, head_dim 64 and 128, 16-token blocks): registers, spills, tensor cores.
+COMPILE = [
+    sys.executable,
+    "-m",
+    "async_engine.model.gpu_kernels.aot",
+    *("--dtypes", "bf16", "fp16", "--head-dims", "64", "128", "--block-sizes", "16"),
+]
+
+# name -> (command, seconds allowed), in order. 560 s in all on a GPU host: under one device
+# call's 10 minutes, with a machine's start inside a 15-minute lease.
 PHASES: dict[str, tuple[list[str], int]] = {
+    "compile": (COMPILE, 120),
     "kernels": (_module("gpu_kernels"), 90),
     "identity": (_module("gpu_identity"), 140),
     "pytest-cuda": ([sys.executable, *PYTEST_CUDA], 50),
@@ -57,10 +71,17 @@ PHASES: dict[str, tuple[list[str], int]] = {
     "profile": (_module("gpu_profile"), 50),
     "speculation": (_module("gpu_spec"), 90),
 }
+# Which phases need a CUDA device (reported "skipped: no GPU" without one), and which run only
+# without one (on a GPU host the kernels phase compiles and runs the same kernels for real).
+NEEDS_GPU = {"kernels", "identity", "pytest-cuda", "bench", "profile", "speculation"}
+WITHOUT_GPU = {"compile"}
+NO_GPU = "skipped: no GPU"
+ON_GPU = "skipped: the kernels phase compiles them on the GPU"
 # What each phase imports beyond the standard library: a host without them gets the phase
 # reported as missing them (a failure), not a traceback.
 _ENGINE = ["torch", "triton", "numpy", "cupy", "structlog"]
 NEEDS = {
+    "compile": ["torch", "triton"],
     "kernels": ["torch", "triton", "numpy", "cupy"],
     "identity": [*_ENGINE, "safetensors"],
     "pytest-cuda": ["torch", "cupy", "pytest", "pytest_asyncio", "hypothesis", "transformers"],
@@ -70,13 +91,38 @@ NEEDS = {
 }
 
 
-def run_phase(name: str, command: list[str], limit: int, report: Path) -> bool:
+def gpu_present() -> bool:
+    """Whether torch sees a CUDA device: asked in a child (with the carried wheels on the
+    path), so this process never initialises CUDA."""
+    probe = [sys.executable, "-c", "import torch; print(int(torch.cuda.is_available()))"]
+    try:
+        found = subprocess.run(probe, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return found.stdout.strip() == "1"
+
+
+def skip_reason(name: str, gpu: bool) -> str | None:
+    if name in NEEDS_GPU and not gpu:
+        return NO_GPU
+    if name in WITHOUT_GPU and gpu:
+        return ON_GPU
+    return None
+
+
+def run_phase(name: str, command: list[str], limit: int, report: Path, gpu: bool = True) -> bool:
+    """Run one phase and append its entry to the report; whether it passed (or was skipped:
+    a phase that cannot run on this host fails nothing)."""
     started = time.monotonic()
     missing = [m for m in NEEDS.get(name, []) if importlib.util.find_spec(m) is None]
+    skipped = skip_reason(name, gpu)
     try:
-        if missing:
+        if skipped:
+            status, out, err = skipped, "", ""
+        elif missing:
             raise ModuleNotFoundError(", ".join(missing))
-        status, out, err = _run(command, limit)
+        else:
+            status, out, err = _run(command, limit)
     except ModuleNotFoundError as exc:
         status, out, err = f"missing modules: {exc}", "", ""
     records = []
@@ -95,7 +141,20 @@ def run_phase(name: str, command: list[str], limit: int, report: Path) -> bool:
     with report.open("a") as f:
         f.write(json.dumps(entry) + "\n")
     print(f"{name}: {status} in {entry['seconds']} s", flush=True)
-    return status == 0
+    return status == 0 or status == skipped
+
+
+def budget(names: list[str], gpu: bool) -> str:
+    """Each phase's time limit on this host, and their total."""
+    limits = {n: PHASES[n][1] for n in names if skip_reason(n, gpu) is None}
+    rows = [
+        f"  {n:<12} {limits[n]:>4} s" if n in limits else f"  {n:<12}    - ({skip_reason(n, gpu)})"
+        for n in names
+    ]
+    host = "a GPU" if gpu else "no GPU"
+    return "\n".join(
+        [f"budget on this host ({host}):", *rows, f"  {'total':<12} {sum(limits.values()):>4} s"]
+    )
 
 
 def unpack_wheels(folder: Path, site: Path) -> list[str]:
@@ -170,9 +229,11 @@ def main(argv: list[str] | None = None) -> int:
             put_first_on_path(site)
             note = "" if wheels else " (none: run make gpu-wheels and carry the folder)"
             print(f"wheels: {len(wheels)} from {args.wheels} on the path{note}", flush=True)
+        gpu = gpu_present()
+        print(budget(names, gpu), flush=True)
         for name in names:
             command, limit = PHASES[name]
-            ok &= run_phase(name, command, limit, args.out)
+            ok &= run_phase(name, command, limit, args.out, gpu)
     return 0 if ok else 1
 
 

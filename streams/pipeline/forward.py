@@ -57,6 +57,31 @@ class StepForward:
             graphs.capture(sync, compute)
         self.graphs = graphs
 
+    @torch.inference_mode()
+    def warm(self, dummy_block: int, block_size: int, device: torch.device) -> None:
+        """Compile the Triton attention kernels before the first request: a two-token prompt
+        (the varlen kernel) and a decode (the decode kernel), on the padding block nobody
+        owns. Their tensors are fresh allocations, aligned as every step's sections are, so
+        these are the variants serving launches (tests check it)."""
+        if not self.triton:
+            return
+        for q in (2, 1):
+            tables = torch.full((1, 1), dummy_block, dtype=torch.int64, device=device)
+            lens = torch.full((1,), q, dtype=torch.int64, device=device)
+            starts = torch.zeros(1, dtype=torch.int64, device=device)
+            positions = torch.arange(q, dtype=torch.int64, device=device)
+            batch = ForwardBatch(
+                input_ids=torch.zeros(q, dtype=torch.int64, device=device),
+                positions=positions,
+                slot_mapping=dummy_block * block_size + positions,
+                query_lens=[q],
+                context_lens=[q],
+                block_tables=tables,
+                logits_indices=torch.full((1,), q - 1, dtype=torch.int64, device=device),
+                attention=self.model.device_attention(tables, starts, lens, lens, q, q),
+            )
+            self.model(batch, self.kv_cache)
+
     def __call__(
         self, layout: StepLayout, dev: dict[str, torch.Tensor], rows: DeviceRows
     ) -> torch.Tensor:

@@ -46,7 +46,14 @@ from streams.pipeline.clock import EventClock
 from streams.pipeline.device_rows import DeviceRows, token_slots
 from streams.pipeline.forward import StepForward
 from streams.pipeline.memory import kv_blocks_for
-from streams.pipeline.slots import Pending, Slot, fit_slot, new_slot, step_sections
+from streams.pipeline.slots import (
+    Pending,
+    Slot,
+    fit_slot,
+    new_slot,
+    packed_length,
+    step_sections,
+)
 from streams.plan import PromptLogprobs, StepPlan, StepResult
 from streams.rows import StepLayout
 from streams.verify import emitted_counts, keep_emitted
@@ -114,7 +121,9 @@ class PipelinedRunner:
                 self.device,
                 graph_tokens_per_row,
             )
-        self.sync.synchronize()
+        self.sync.synchronize()  # the cache and buffers written above, before the compute stream
+        with self.sync.use(self.compute):
+            self.forward.warm(num_blocks, block_size, self.device)
         self.clock = EventClock(self.sync)
         self.clock.anchor(self.compute)
         self._state_applied = True  # whether the launching step's plan reached the device rows
@@ -224,7 +233,7 @@ class PipelinedRunner:
     ) -> Pending:
         sync, rows = self.sync, self.rows
         self._state_applied = False
-        total = sum(len(a) for a in sections.values())
+        total = packed_length(sections)
         slot = fit_slot(sync, self.device, slot, total, len(layout.sample_rows))
         offsets = slot.pack(sections)
         staged = sync.event()

@@ -15,6 +15,10 @@ from streams.pipeline.devsync import DeviceSync
 from streams.rows import StepLayout
 
 MAX_TOP = 20  # top logprobs a row may ask for (sampler.params.MAX_LOGPROBS)
+# Each section starts on a 16-byte boundary (two int64s): Triton specialises a kernel on
+# whether each pointer is 16-byte aligned, so sections at any offset would compile a variant
+# per alignment pattern while serving.
+ALIGN = 2
 # The flat int64 arrays of one step, packed back to back into one pinned slot.
 SECTIONS = (
     "input_ids",
@@ -77,6 +81,15 @@ def step_sections(
     }
 
 
+def packed_length(sections: dict[str, np.ndarray]) -> int:
+    """The ints ``Slot.pack`` takes for these sections, alignment padding included."""
+    return sum(_aligned(len(values)) for values in sections.values())
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
 def _drafts_before(layout: StepLayout) -> tuple[np.ndarray, np.ndarray]:
     """(sampled position, draft) for every draft that precedes a sampled position in its
     row's run: penalties count it there, as decoding would have by then."""
@@ -104,14 +117,15 @@ class Slot:
     top_values: torch.Tensor  # pinned float32 [S * MAX_TOP]
 
     def pack(self, sections: dict[str, np.ndarray]) -> dict[str, tuple[int, int]]:
-        """Write the sections back to back into the pinned input; where each one lies."""
+        """Write the sections into the pinned input, each at an ALIGN boundary; where each
+        one lies (``packed_length`` ints in all)."""
         packed = self.host_in.numpy()
         offsets, at = {}, 0
         for name in SECTIONS:
             values = sections[name]
             packed[at : at + len(values)] = values
             offsets[name] = (at, at + len(values))
-            at += len(values)
+            at += _aligned(len(values))
         return offsets
 
     def top_lists(

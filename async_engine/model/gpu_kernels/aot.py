@@ -17,14 +17,15 @@ import re
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from . import paged_attention as pa
 from . import paged_attention_kernels as kernels
@@ -60,12 +61,7 @@ def compile_for_sm90(
         raise RuntimeError(
             "triton was imported with TRITON_INTERPRET set; compile in a separate process"
         )
-    fn = kernel if isinstance(kernel, JITFunction) else getattr(kernel, "fn", None)
-    if fn is None or not callable(fn):
-        raise TypeError(f"{kernel!r} is not a triton kernel")
-    if not isinstance(fn, JITFunction):
-        # An InterpretedFunction: rebuild the compilable form from the same Python source.
-        fn = JITFunction(fn)
+    fn = _compilable(kernel)
     missing = set(fn.arg_names) - set(signature)
     if missing:
         raise ValueError(f"signature lacks {sorted(missing)}")
@@ -75,6 +71,33 @@ def compile_for_sm90(
     src = ASTSource(fn, signature, constexprs=constexprs)
     options = {"num_warps": num_warps, "num_stages": num_stages}
     return triton.compile(src, target=SM90, options=options)
+
+
+def launch_keys(kernel: Any) -> Callable[..., tuple]:
+    """A function of a launch's arguments giving the key triton's launcher compiles a variant
+    for on an H200: each argument's type and specialised attribute (a pointer's 16-byte
+    alignment, an int's divisibility by 16 or being 1, unless ``do_not_specialize``), the
+    constexprs and the launch options. Launches with equal keys share one compiled kernel;
+    works on CPU tensors and interpreted kernels, with no driver."""
+    fn = _compilable(kernel)
+    binder = create_function_from_signature(fn.signature, fn.params, make_backend(SM90))
+
+    def key(*args: Any, **kwargs: Any) -> tuple:
+        _, specialization, options = binder(*args, **kwargs)
+        return (*specialization, *sorted(options.items()))
+
+    return key
+
+
+def _compilable(kernel: Any) -> JITFunction:
+    fn = kernel if isinstance(kernel, JITFunction) else getattr(kernel, "fn", None)
+    if fn is None or not callable(fn):
+        raise TypeError(f"{kernel!r} is not a triton kernel")
+    if isinstance(fn, JITFunction):
+        return fn
+    # An InterpretedFunction: rebuild the compilable form from the same Python source, with
+    # the decorator's options (do_not_specialize).
+    return JITFunction(fn, **getattr(kernel, "kwargs", {}))
 
 
 def _signature(dtype: torch.dtype, int_pointers: tuple[str, ...]) -> dict[str, str]:

@@ -23,6 +23,11 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 # Smallest M a tensor-core tl.dot accepts (and the smallest K: block sizes must reach it too).
 MIN_DOT = 16
+# A step's block tables are as wide as its longest row needs, so their stride changes from
+# step to step: specialised (1, a multiple of 16, other) it would compile a variant for each
+# while serving, for loads of one block id that gain nothing from it. The model's strides are
+# fixed for a model and stay specialised (they let the compiler vectorise the q/K/V loads).
+VARYING = ["table_stride"]
 
 
 @triton.jit
@@ -58,7 +63,7 @@ def _attend_block(
     return m_new, denom, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING)
 def paged_decode_kernel(
     q_ptr,
     k_ptr,
@@ -133,7 +138,7 @@ def paged_decode_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING)
 def paged_varlen_kernel(
     q_ptr,
     k_ptr,
