@@ -281,3 +281,14 @@ def test_the_identity_phase_says_when_there_is_no_gpu(capsys):
         pytest.skip("a GPU is present: make gpu-check runs this phase for real")
     assert gpu_identity.main([]) == 1
     assert json.loads(capsys.readouterr().out) == {"error": "no CUDA device"}
+
+
+def test_the_speculation_phase_verifies_accepted_and_rejected_drafts_on_the_cpu(capsys):
+    """The phase's own model and prompts (the shape it runs on the GPU): every variant's
+    tokens match plain decoding with some drafts accepted and some rolled back."""
+    from async_engine.bench import gpu_spec
+
+    assert gpu_spec.main(["--device", "cpu", "--checks", "identity"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["variant"] for r in records] == list(gpu_spec.VARIANTS)
+    assert all(r["verify_steps"] > 0 and 0 < r["acceptance"] < 1 for r in records)

@@ -89,14 +89,27 @@ def tiny(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     return folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("decode_path", ["kernel", "sdpa", "bmm"])
+def _heads_last(out: torch.Tensor) -> torch.Tensor:
+    """The same values in the memory layout CUDA's SDPA kernels return ([B, L, H, D] memory
+    seen as [B, H, L, D]): not viewable as rows."""
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("decode_path", ["kernel", "sdpa", "sdpa-heads-last", "bmm"])
 def test_tiny_logits_match_hf(tiny, decode_path: str, monkeypatch) -> None:
+    import torch.nn.functional as F
+
     from async_engine.model import cpu_kernels
 
     if decode_path == "kernel" and not cpu_kernels.available():
         pytest.skip("no C++ compiler for the CPU kernel")
     if decode_path != "kernel":  # the torch fallbacks, as on a machine without a compiler
         monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    if decode_path == "sdpa-heads-last":
+        sdpa = F.scaled_dot_product_attention
+        monkeypatch.setattr(
+            F, "scaled_dot_product_attention", lambda *a, **k: _heads_last(sdpa(*a, **k))
+        )
     folder, hf = tiny
     model = build_model(str(folder), "float32")
     model.decode_bmm = decode_path == "bmm"  # exercise every decode path in float32

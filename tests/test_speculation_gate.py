@@ -94,3 +94,26 @@ def test_the_first_step_after_an_idle_gap_is_not_measured():
     work.step()
     cls = gate.classes[3]
     assert cls.plain.samples + cls.speculating.samples == 1
+
+
+def _mixed_step(gate: SpeculationGate, now: float, speculate: bool, prompt: int) -> float:
+    """Four decoding rows (three drafts each, all kept, when speculating) beside a prompt
+    chunk of ``prompt`` tokens, 10 ms a step; the time after it."""
+    sampled = [4 if speculate else 1] * 4
+    plan = StepPlan(0, int32s(range(5)), int32s([5] * 5), int32s([*sampled, prompt]),
+                    int32s([*sampled, 0]), int64s([0] * (sum(sampled) + prompt)))  # fmt: skip
+    result = StepResult(0, np.zeros(sum(sampled), np.int64), None, None, now, now + 0.010)
+    if speculate:
+        result.counts, result.drafted = np.full(4, 4, np.int32), np.full(4, 3, np.int32)
+    gate.observe(plan, result, now + 0.010)
+    return now + 0.010
+
+
+def test_prompt_tokens_a_verify_step_displaces_are_charged_to_it():
+    """The token budget a verify step's drafts take is the prompts': 16 tokens emitted and
+    100 prompt tokens a step against 4 emitted and 400 prompt tokens in the same time."""
+    gate, now = SpeculationGate(), 100.0
+    for _ in range(8):
+        now = _mixed_step(gate, now, speculate=True, prompt=100)
+        now = _mixed_step(gate, now, speculate=False, prompt=400)
+    assert not gate.classes[3].favours_speculation()

@@ -60,9 +60,16 @@ def emit(record: dict[str, Any]) -> None:
     print(json.dumps(record), flush=True)
 
 
-def write_model(folder: Path, config: dict[str, Any], seed: int = 0, weights: bool = True) -> Path:
+def write_model(
+    folder: Path,
+    config: dict[str, Any],
+    seed: int = 0,
+    weights: bool = True,
+    weight_std: float = WEIGHT_STD,
+) -> Path:
     """config.json, and unless ``weights`` is False a model.safetensors of random weights
-    under HF names, so that every device loads the same numbers."""
+    under HF names, so that every device loads the same numbers (``weight_std`` for all but
+    the embedding and head)."""
     from safetensors.torch import save_file
 
     from async_engine.model import LlamaModel, ModelConfig
@@ -81,7 +88,7 @@ def write_model(folder: Path, config: dict[str, Any], seed: int = 0, weights: bo
         shape = target.shape[-1:] if per_head else target.shape
         noise = torch.randn(shape, generator=gen)
         # Norms near 1, jittered so a mixed-up norm shows.
-        std = EMBED_STD if name.endswith(("embed_tokens.weight", "lm_head.weight")) else WEIGHT_STD
+        std = EMBED_STD if name.endswith(("embed_tokens.weight", "lm_head.weight")) else weight_std
         tensors[name] = noise * std if len(shape) > 1 else 1.0 + 0.1 * noise
     save_file(tensors, str(folder / "model.safetensors"))
     return folder

@@ -4,9 +4,14 @@ overlap off, graphs off), then tokens/s with and without it at batch 1, 16 and 6
 reported, not judged). Six engine starts in all: each engine runs every batch it can.
 
 The GPU host has no tokenizer of the default model, so the workload is random prompts on
-random weights written on the spot; greedy decoding of such a model falls into loops the
-n-gram drafter predicts, so its acceptance says what verification costs and saves at these
-batch sizes, not what agent traffic would accept (``bench spec`` on the sim does that).
+random weights written on the spot: the model's body with a vocabulary of ``VOCAB`` tokens
+and layer weights of std ``WEIGHT_STD``. At the identity phase's 0.1 the greedy tokens of such
+a model never repeat within a run, so nothing would be drafted; at 0.035 the embedding
+dominates the residual stream and greedy decoding settles into runs of one token that change
+now and then, so drafts are mostly accepted and sometimes rejected (both paths verified).
+The drafts are short (the latest earlier occurrence of a run's suffix is one token back), so
+the speed figures say what a verify step costs at these batch sizes, not what agent traffic
+would gain (``bench spec`` on the CPU or the sim does that).
 
 One JSON record per line; exit 1 on any token mismatch or crash. ``--device cpu`` runs the
 same on the CPU.
@@ -36,6 +41,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "graphs-off": {"cuda_graphs": False},
 }
 BATCHES = (1, 16, 64)
+VOCAB = 1024
+WEIGHT_STD = 0.035
 
 
 def prompts(vocab: int, count: int, seed: int = 0) -> list[list[int]]:
@@ -111,7 +118,8 @@ def identity(folder: Path, device: str, vocab: int) -> bool:
             continue
         got = spec[0]
         mismatches = first_mismatches(plain[0]["tokens"], got["tokens"])
-        good = not mismatches and got["verify_steps"] > 0
+        # Tokens verified both ways: some drafts accepted, some rejected (rolled back).
+        good = not mismatches and 0 < got["acceptance"] < 1
         emit({**record, "ok": good, "mismatches": mismatches, "acceptance": got["acceptance"],
               "accepted_length": got["accepted_length"], "verify_steps": got["verify_steps"]})  # fmt: skip
         ok &= good
@@ -154,10 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     checks = [c for c in args.checks.split(",") if c]
     if set(checks) - {"identity", "speed"}:
         parser.error(f"unknown checks in {args.checks!r}; known: identity, speed")
-    vocab = SHAPES[args.shape]["vocab_size"]
+    vocab = VOCAB
     ok = True
     with tempfile.TemporaryDirectory(prefix="gpu-spec-") as tmp:
-        folder = write_model(Path(tmp) / args.shape, SHAPES[args.shape])
+        config = {**SHAPES[args.shape], "vocab_size": vocab}
+        folder = write_model(Path(tmp) / args.shape, config, weight_std=WEIGHT_STD)
         if "identity" in checks:
             ok &= identity(folder, args.device, vocab)
         if "speed" in checks:

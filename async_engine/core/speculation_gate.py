@@ -13,9 +13,14 @@ cost, host work and waits included, in either loop. Each batch size class (the d
 rows' bit length: 1, 2-3, 4-7, ...) keeps, for each mode, the tokens its steps emitted a row
 and the seconds they took, both fading (``FADE`` a step), and rates the mode by their ratio.
 The mode not in favour is tried every ``EXPLORE``-th step (every ``LEARN_EVERY``-th until
-both have ``MIN_SAMPLES``), so a change in acceptance or load is seen. Steps that also
-prefill count too: where prompts arrive all the time (agent loops), most steps do, and the
-prompts' share of a step falls on both modes alike.
+both have ``MIN_SAMPLES``), so a change in acceptance or load is seen.
+
+A step's worth is the tokens it finished for good: those its rows emitted and the prompt
+tokens it computed. Both are work every request needs done once (drafts that were refused
+are not), so the mode that finishes more of it a second serves more requests a second.
+Steps that prefill count too (where prompts arrive all the time, agent loops, most steps
+do), and prompt tokens must: draft slots share the step's token budget with prompt chunks,
+so a verify step that emits more tokens a row may leave prompts waiting longer.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ STALE_SECONDS = 1.0  # a gap longer than this (and than 20 device spans) was idl
 
 @dataclass(slots=True)
 class ModeRate:
-    tokens: float = 0.0  # emitted a row, fading
+    tokens: float = 0.0  # emitted and prompt tokens computed, a decoding row, fading
     seconds: float = 0.0
     samples: int = 0
 
@@ -91,9 +96,11 @@ class SpeculationGate:
         if period <= 0 or (period > STALE_SECONDS and period > 20 * span):
             return
         emitted = int(result.emitted(sampled).sum())
+        prompts = plan.query_lens > plan.num_sampled  # rows computing prompt tokens
+        prompt_tokens = int(plan.query_lens[prompts].sum())
         cls = self._class(sampled)
         mode = cls.speculating if (plan.num_sampled > 1).any() else cls.plain
-        mode.add(emitted / sampled, period)
+        mode.add((emitted + prompt_tokens) / sampled, period)
 
     def _class(self, num_rows: int) -> BatchClass:
         key = max(num_rows, 1).bit_length()

@@ -45,7 +45,7 @@ def paged_attention(
     decoded = None
     if plan.decode_blocks is not None:
         q_dec = q if plan.decode_rows is None else q[plan.decode_rows]
-        decoded = _decode(q_dec, k_cache, v_cache, plan).view(-1, width)
+        decoded = _decode(q_dec, k_cache, v_cache, plan).reshape(-1, width)
         if plan.decode_rows is None:
             return decoded
 
