@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from async_engine.core.speculation_gate import EXPLORE, SpeculationGate
+from async_engine.core.speculation_gate import EXPLORE, MAX_EXPLORE, SpeculationGate
 from streams.plan import StepPlan, StepResult, int32s, int64s
 
 
@@ -22,14 +22,15 @@ class Workload:
         self.speculated = 0
 
     def step(self, prefill: bool = False) -> None:
-        """One step; a prefilling one also computes 20 prompt tokens a row."""
+        """One step; a prefilling one also computes a prompt chunk of 20 tokens a row."""
         speculate = self.gate.allows(self.rows)
         self.speculated += speculate
         n = self.rows
         sampled = [1 + 3 * speculate] * n
-        query = [q + 20 * prefill for q in sampled]
-        plan = StepPlan(0, int32s(range(n)), int32s([5] * n), int32s(query), int32s(sampled),
-                        int64s([0] * sum(query)))  # fmt: skip
+        query = [*sampled, 20 * n] if prefill else sampled
+        sampled = [*sampled, 0] if prefill else sampled
+        plan = StepPlan(0, int32s(range(len(query))), int32s([5] * len(query)), int32s(query),
+                        int32s(sampled), int64s([0] * sum(query)))  # fmt: skip
         emitted = self.spec_tokens if speculate else 1
         seconds = self.spec_s if speculate else self.plain_s
         result = StepResult(0, np.zeros(n * emitted, np.int64), None, None, self.now,
@@ -47,20 +48,57 @@ class Workload:
             self.step()
         return self.speculated - before
 
+    def gaps(self, steps: int, mode: bool) -> list[int]:
+        """Over the next ``steps``, the steps from one step in ``mode`` (speculating or not)
+        to the next."""
+        at = []
+        for i in range(steps):
+            before = self.speculated
+            self.step()
+            if (self.speculated > before) == mode:
+                at.append(i)
+        return [b - a for a, b in zip(at, at[1:], strict=False)]
+
 
 def test_where_speculating_steps_emit_fewer_tokens_a_second_the_gate_turns_them_off():
     gate = SpeculationGate()
     work = Workload(gate, rows=16, plain_s=0.010, spec_s=0.040, spec_tokens=2)  # 50 vs 100/s
     work.run(40)  # learning
-    speculated = work.run(10 * EXPLORE)
-    assert speculated == 10  # one exploring step in every EXPLORE
+    assert work.run(4 * MAX_EXPLORE) <= 8  # only the tries of the mode not in favour
 
 
 def test_where_speculating_pays_the_gate_keeps_it_on_but_for_exploring_steps():
     gate = SpeculationGate()
     work = Workload(gate, rows=1, plain_s=0.010, spec_s=0.012, spec_tokens=3)  # 250 vs 100/s
     work.run(40)
-    assert work.run(10 * EXPLORE) == 10 * EXPLORE - 10
+    assert work.run(4 * MAX_EXPLORE) >= 4 * MAX_EXPLORE - 8
+
+
+def test_tries_that_confirm_the_favour_grow_rarer_up_to_a_limit():
+    gate = SpeculationGate()
+    work = Workload(gate, rows=16, plain_s=0.010, spec_s=0.040, spec_tokens=2)
+    work.run(40)
+    gaps = work.gaps(8 * MAX_EXPLORE, mode=True)
+    assert all(b in (2 * a, MAX_EXPLORE) for a, b in zip(gaps, gaps[1:], strict=False))
+    assert gaps[-1] == MAX_EXPLORE
+
+
+def test_a_try_that_beats_the_favoured_mode_brings_tries_back_to_every_explore_steps():
+    gate = SpeculationGate()
+    work = Workload(gate, rows=16, plain_s=0.010, spec_s=0.040, spec_tokens=2)
+    work.run(40 + 8 * MAX_EXPLORE)  # plain in favour, tries every MAX_EXPLORE
+    work.spec_s = 0.011  # now speculating pays: 182 vs 100 tokens a second
+    work.run(MAX_EXPLORE + 1)  # a try has seen it
+    assert work.gaps(4 * EXPLORE, mode=True)[0] == EXPLORE
+
+
+def test_tries_that_keep_beating_the_favoured_mode_turn_the_favour():
+    gate = SpeculationGate()
+    work = Workload(gate, rows=16, plain_s=0.010, spec_s=0.040, spec_tokens=2)
+    work.run(40 + 8 * MAX_EXPLORE)
+    work.spec_s = 0.011
+    work.run(3 * MAX_EXPLORE)
+    assert gate.classes[5].favours_speculation()
 
 
 def test_batch_sizes_learn_apart():
@@ -117,3 +155,15 @@ def test_prompt_tokens_a_verify_step_displaces_are_charged_to_it():
         now = _mixed_step(gate, now, speculate=True, prompt=100)
         now = _mixed_step(gate, now, speculate=False, prompt=400)
     assert not gate.classes[3].favours_speculation()
+
+
+def test_a_step_of_prompts_alone_is_not_measured():
+    """A prompt's last chunk samples its first token but had nothing to draft from: such a
+    step made no choice between the modes."""
+    gate, now = SpeculationGate(), 100.0
+    now = _mixed_step(gate, now, speculate=False, prompt=0)  # the first has no step before it
+    plan = StepPlan(0, int32s([7]), int32s([0]), int32s([300]), int32s([1]), int64s([0] * 300))
+    gate.observe(
+        plan, StepResult(0, np.zeros(1, np.int64), None, None, now, now + 0.01), now + 0.01
+    )
+    assert gate.classes == {}

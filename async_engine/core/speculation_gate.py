@@ -12,14 +12,20 @@ It learns from when results arrive: the time from one result to the next is a st
 cost, host work and waits included, in either loop. Each batch size class (the decoding
 rows' bit length: 1, 2-3, 4-7, ...) keeps, for each mode, the tokens its steps emitted a row
 and the seconds they took, both fading (``FADE`` a step), and rates the mode by their ratio.
-The mode not in favour is tried every ``EXPLORE``-th step (every ``LEARN_EVERY``-th until
-both have ``MIN_SAMPLES``), so a change in acceptance or load is seen.
+The mode not in favour is tried now and then (every ``LEARN_EVERY``-th step until both have
+``MIN_SAMPLES``), so a change in acceptance or load is seen: first after ``EXPLORE`` steps,
+then after twice as many as the last time, up to ``MAX_EXPLORE``; a try that beats the
+favoured mode brings them back to every ``EXPLORE``, so a few tries close together can turn
+the favour.
+A try costs what the losing mode loses a step (a verify step that waits for its tokens can
+cost two plain ones on a fast device), so a fixed one in 16 would cost a few per cent for
+good; backing off keeps it under one.
 
 A step's worth is the tokens it finished for good: those its rows emitted and the prompt
 tokens it computed. Both are work every request needs done once (drafts that were refused
 are not), so the mode that finishes more of it a second serves more requests a second.
-Steps that prefill count too (where prompts arrive all the time, agent loops, most steps
-do), and prompt tokens must: draft slots share the step's token budget with prompt chunks,
+Steps that prefill beside decoding rows count too (where prompts arrive all the time, agent
+loops, most steps do), and prompt tokens must: draft slots share the step's token budget with prompt chunks,
 so a verify step that emits more tokens a row may leave prompts waiting longer.
 """
 
@@ -30,6 +36,7 @@ from dataclasses import dataclass
 from streams.plan import StepPlan, StepResult
 
 EXPLORE = 16
+MAX_EXPLORE = 128
 LEARN_EVERY = 4
 MIN_SAMPLES = 3
 FADE = 0.9  # the weight a mode's past steps keep at each new one
@@ -58,9 +65,33 @@ class BatchClass:
     speculating: ModeRate
     plain: ModeRate
     decisions: int = 0
+    explore_every: int = EXPLORE  # steps from one try of the mode not in favour to the next
+    since_explore: int = 0
 
     def favours_speculation(self) -> bool:
         return self.speculating.tokens_per_second >= self.plain.tokens_per_second
+
+    def explores(self) -> bool:
+        """Whether this step tries the mode not in favour; each try makes the next rarer."""
+        self.since_explore += 1
+        if self.since_explore < self.explore_every:
+            return False
+        self.since_explore = 0
+        self.explore_every = min(2 * self.explore_every, MAX_EXPLORE)
+        return True
+
+    def add(self, speculating: bool, tokens_a_row: float, seconds: float) -> None:
+        """A step's measure; a try of the mode not in favour that beat the favoured mode's
+        rate brings tries back to every ``EXPLORE`` steps (one fast step rarely turns the
+        fading rates at once; a few close together do)."""
+        mode, other = (
+            (self.speculating, self.plain) if speculating else (self.plain, self.speculating)
+        )
+        learned = min(mode.samples, other.samples) >= MIN_SAMPLES
+        if learned and self.favours_speculation() != speculating:
+            if tokens_a_row / seconds > other.tokens_per_second:
+                self.explore_every = EXPLORE
+        mode.add(tokens_a_row, seconds)
 
 
 class SpeculationGate:
@@ -80,7 +111,7 @@ class SpeculationGate:
             allow = cls.decisions % LEARN_EVERY != 0
         else:
             favoured = cls.favours_speculation()
-            allow = favoured != (cls.decisions % EXPLORE == 0)
+            allow = favoured != cls.explores()
         if not allow:
             self.turned_off_steps += 1
         return allow
@@ -89,7 +120,11 @@ class SpeculationGate:
         """A step's result arrived at ``now``: its period rates the mode it ran in."""
         last, self._last_arrival = self._last_arrival, now
         sampled = int((plan.num_sampled > 0).sum())
-        if last is None or not sampled or result.error is not None:
+        # Decoding rows feed only sampled tokens (one, or one and its drafts); a prompt's
+        # last chunk samples too but had nothing to draft from, so a step without decoding
+        # rows made no choice to rate (and its prompt tokens would rate "plain" for it).
+        decoding = int(((plan.num_sampled > 0) & (plan.query_lens == plan.num_sampled)).sum())
+        if last is None or not decoding or result.error is not None:
             return
         period = now - last
         span = result.device_end - result.device_start
@@ -98,9 +133,8 @@ class SpeculationGate:
         emitted = int(result.emitted(sampled).sum())
         prompts = plan.query_lens > plan.num_sampled  # rows computing prompt tokens
         prompt_tokens = int(plan.query_lens[prompts].sum())
-        cls = self._class(sampled)
-        mode = cls.speculating if (plan.num_sampled > 1).any() else cls.plain
-        mode.add((emitted + prompt_tokens) / sampled, period)
+        speculating = bool((plan.num_sampled > 1).any())
+        self._class(decoding).add(speculating, (emitted + prompt_tokens) / decoding, period)
 
     def _class(self, num_rows: int) -> BatchClass:
         key = max(num_rows, 1).bit_length()
