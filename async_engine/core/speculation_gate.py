@@ -10,8 +10,8 @@ for that batch size, whatever the slot model grants.
 
 It learns from when results arrive: the time from one result to the next is a step's whole
 cost, host work and waits included, in either loop. Each batch size class (the decoding
-rows' bit length: 1, 2-3, 4-7, ...) keeps, for each mode, the tokens its steps emitted a row
-and the seconds they took, both fading (``FADE`` a step), and rates the mode by their ratio.
+rows' bit length: 1, 2-3, 4-7, ...) keeps, for each mode, what its steps were worth (below)
+a decoding row and the seconds they took, both fading (``FADE`` a step), and rates the mode by their ratio.
 The mode not in favour is tried now and then (every ``LEARN_EVERY``-th step until both have
 ``MIN_SAMPLES``), so a change in acceptance or load is seen: first after ``EXPLORE`` steps,
 then after twice as many as the last time, up to ``MAX_EXPLORE``; a try that beats the
@@ -25,8 +25,9 @@ A step's worth is the tokens it finished for good: those its rows emitted and th
 tokens it computed. Both are work every request needs done once (drafts that were refused
 are not), so the mode that finishes more of it a second serves more requests a second.
 Steps that prefill beside decoding rows count too (where prompts arrive all the time, agent
-loops, most steps do), and prompt tokens must: draft slots share the step's token budget with prompt chunks,
-so a verify step that emits more tokens a row may leave prompts waiting longer.
+loops, most steps do), and prompt tokens must: draft slots share the step's token budget
+with prompt chunks, so a verify step that emits more tokens a row may leave prompts waiting
+longer.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ class BatchClass:
     def favours_speculation(self) -> bool:
         return self.speculating.tokens_per_second >= self.plain.tokens_per_second
 
+    def learning(self) -> bool:
+        """Whether either mode has too few steps measured to be rated."""
+        return min(self.speculating.samples, self.plain.samples) < MIN_SAMPLES
+
     def explores(self) -> bool:
         """Whether this step tries the mode not in favour; each try makes the next rarer."""
         self.since_explore += 1
@@ -87,8 +92,7 @@ class BatchClass:
         mode, other = (
             (self.speculating, self.plain) if speculating else (self.plain, self.speculating)
         )
-        learned = min(mode.samples, other.samples) >= MIN_SAMPLES
-        if learned and self.favours_speculation() != speculating:
+        if not self.learning() and self.favours_speculation() != speculating:
             if tokens_a_row / seconds > other.tokens_per_second:
                 self.explore_every = EXPLORE
         mode.add(tokens_a_row, seconds)
@@ -105,8 +109,7 @@ class SpeculationGate:
         slots should speculate."""
         cls = self._class(num_rows)
         cls.decisions += 1
-        learning = min(cls.speculating.samples, cls.plain.samples) < MIN_SAMPLES
-        if learning:
+        if cls.learning():
             # Speculate first (its rate is the unknown that matters), then try plain.
             allow = cls.decisions % LEARN_EVERY != 0
         else:
