@@ -133,6 +133,15 @@ class BlockPool:
         self.prefix_hits += len(blocks) * self.block_size
         return blocks
 
+    def cached_prefix(self, hashes: Sequence[int]) -> int:
+        """How many of the leading ``hashes`` are cached; takes no reference, counts no query."""
+        n = 0
+        for h in hashes:
+            if h not in self._cached:
+                break
+            n += 1
+        return n
+
     def register(self, block: int, block_hash: int) -> None:
         """Cache an in-use, fully written `block` under `block_hash`.
 

@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from streams.device import DeviceError, DeviceSpec, Runner
+from streams.heap import keep_large_blocks_in_heap
 from streams.plan import StepResult
 from streams.wire import (
     FAILED,
@@ -55,6 +56,7 @@ def _device_main(plan_recv: Connection, result_send: Connection, heartbeat: str)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     _start_heartbeat(heartbeat)
+    keep_large_blocks_in_heap()
     try:
         spec: DeviceSpec = pickle.loads(plan_recv.recv_bytes())
         if spec.threads:

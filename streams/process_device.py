@@ -41,11 +41,11 @@ from streams.wire import (
     encode_plan,
 )
 
-# glibc hands each multi-megabyte temporary (gathered K/V, activations) its own mmap and
-# returns it on free, so every step page-faults hundreds of MB afresh: measured 3x slower
-# decode steps. Keep such blocks in the heap instead (the caller's environment wins).
+# glibc hands each multi-megabyte temporary (gathered K/V, activations, logits) its own mmap
+# and returns it on free, so every step page-faults hundreds of MB afresh: measured 3x slower
+# decode steps. The device process raises the mmap threshold (``streams.heap``); these keep
+# the heap from shrinking back between steps (the caller's environment wins).
 MALLOC_TUNING = {
-    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),  # glibc's maximum on 64-bit
     "MALLOC_TRIM_THRESHOLD_": str(4 << 30),
     "MALLOC_TOP_PAD_": str(256 << 20),
 }

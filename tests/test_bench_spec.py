@@ -31,6 +31,26 @@ def test_bench_spec_compares_every_method_with_off_on_both_workloads(tmp_path: P
     assert "agent workload" in printed and "plain workload" in printed and "x)" in printed
 
 
+def test_rounds_pool_every_methods_runs_with_new_prompts_each_round(tmp_path: Path, capsys):
+    out = tmp_path / "spec.json"
+    argv = "bench spec --device sim --sim-step-ms 0.3 --sim-token-us 0 --sim-seq-us 0"
+    argv += " --sim-ctx-ns 0 --batches 2 --max-tokens 8 --min-requests 2 --methods ngram"
+    assert main([*argv.split(), "--rounds", "3", "--workloads", "plain", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]["plain"]
+    for run in (runs["off"]["2"], runs["ngram"]["2"]):
+        assert run["tokens"] == 3 * 4 * 8  # three rounds of four requests
+        assert len(run["round_tokens_per_s"]) == 3
+        assert abs(run["tokens_per_s"] - run["tokens"] / run["seconds"]) < 1e-9
+    assert "each round's ratio to off, lowest-highest: 2: ngram " in capsys.readouterr().out
+
+
+def test_rounds_below_one_are_refused():
+    import pytest
+
+    with pytest.raises(SystemExit, match="--rounds"):
+        main(["bench", "spec", "--device", "sim", "--rounds", "0"])
+
+
 def test_agreement_counts_positions_up_to_each_first_difference():
     off = {1: {"outputs": [[1, 2, 3, 4], [5, 6, 7, 8]], "prompts": [[9], [10]]}}
     ngram = {1: {"outputs": [[1, 2, 0, 0], [5, 6, 7, 8]], "prompts": [[9], [10]]}}

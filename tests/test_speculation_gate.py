@@ -20,21 +20,23 @@ class Workload:
         self.plain_s, self.spec_s, self.spec_tokens = plain_s, spec_s, spec_tokens
         self.now = 100.0
         self.speculated = 0
+        self.step_id = 0
 
     def step(self, prefill: bool = False) -> None:
         """One step; a prefilling one also computes a prompt chunk of 20 tokens a row."""
-        speculate = self.gate.allows(self.rows)
+        self.step_id += 1
+        speculate = self.gate.allows(self.rows, self.step_id)
         self.speculated += speculate
         n = self.rows
         sampled = [1 + 3 * speculate] * n
         query = [*sampled, 20 * n] if prefill else sampled
         sampled = [*sampled, 0] if prefill else sampled
-        plan = StepPlan(0, int32s(range(len(query))), int32s([5] * len(query)), int32s(query),
-                        int32s(sampled), int64s([0] * sum(query)))  # fmt: skip
+        plan = StepPlan(self.step_id, int32s(range(len(query))), int32s([5] * len(query)),
+                        int32s(query), int32s(sampled), int64s([0] * sum(query)))  # fmt: skip
         emitted = self.spec_tokens if speculate else 1
         seconds = self.spec_s if speculate else self.plain_s
-        result = StepResult(0, np.zeros(n * emitted, np.int64), None, None, self.now,
-                            self.now + seconds)  # fmt: skip
+        result = StepResult(self.step_id, np.zeros(n * emitted, np.int64), None, None,
+                            self.now, self.now + seconds)  # fmt: skip
         if speculate:
             result.counts = np.full(n, emitted, np.int32)
             result.drafted = np.full(n, 3, np.int32)
@@ -110,7 +112,7 @@ def test_batch_sizes_learn_apart():
         large.now = small.now
         large.step()
         small.now = large.now
-    assert gate.allows(2) and not gate.allows(32)
+    assert gate.allows(2, 1000) and not gate.allows(32, 1001)
 
 
 def test_steps_that_also_prefill_are_measured_as_their_mode():
@@ -134,13 +136,19 @@ def test_the_first_step_after_an_idle_gap_is_not_measured():
     assert cls.plain.samples + cls.speculating.samples == 1
 
 
-def _mixed_step(gate: SpeculationGate, now: float, speculate: bool, prompt: int) -> float:
+def _mixed_step(
+    gate: SpeculationGate, now: float, speculate: bool, prompt: int, decided: bool = True
+) -> float:
     """Four decoding rows (three drafts each, all kept, when speculating) beside a prompt
-    chunk of ``prompt`` tokens, 10 ms a step; the time after it."""
+    chunk of ``prompt`` tokens, 10 ms a step, the mode the gate's (``decided``) or the
+    step's own; the time after it."""
+    step = round(now * 1000)
+    if decided:
+        gate._decided[step] = speculate  # as ``allows`` left it, whatever it would decide
     sampled = [4 if speculate else 1] * 4
-    plan = StepPlan(0, int32s(range(5)), int32s([5] * 5), int32s([*sampled, prompt]),
+    plan = StepPlan(step, int32s(range(5)), int32s([5] * 5), int32s([*sampled, prompt]),
                     int32s([*sampled, 0]), int64s([0] * (sum(sampled) + prompt)))  # fmt: skip
-    result = StepResult(0, np.zeros(sum(sampled), np.int64), None, None, now, now + 0.010)
+    result = StepResult(step, np.zeros(sum(sampled), np.int64), None, None, now, now + 0.010)
     if speculate:
         result.counts, result.drafted = np.full(4, 4, np.int32), np.full(4, 3, np.int32)
     gate.observe(plan, result, now + 0.010)
@@ -162,8 +170,28 @@ def test_a_step_of_prompts_alone_is_not_measured():
     step made no choice between the modes."""
     gate, now = SpeculationGate(), 100.0
     now = _mixed_step(gate, now, speculate=False, prompt=0)  # the first has no step before it
-    plan = StepPlan(0, int32s([7]), int32s([0]), int32s([300]), int32s([1]), int64s([0] * 300))
+    plan = StepPlan(7, int32s([7]), int32s([0]), int32s([300]), int32s([1]), int64s([0] * 300))
     gate.observe(
-        plan, StepResult(0, np.zeros(1, np.int64), None, None, now, now + 0.01), now + 0.01
+        plan, StepResult(7, np.zeros(1, np.int64), None, None, now, now + 0.01), now + 0.01
     )
     assert gate.classes == {}
+
+
+def test_a_step_the_gate_did_not_decide_is_not_measured():
+    """A step that decoded beside a prompt chunk filling its budget had no slots to grant:
+    its hundreds of prompt tokens a decoding row say nothing about speculating."""
+    gate, now = SpeculationGate(), 100.0
+    now = _mixed_step(gate, now, speculate=False, prompt=0)
+    for _ in range(8):
+        now = _mixed_step(gate, now, speculate=False, prompt=400, decided=False)
+    assert gate.classes == {}
+
+
+def test_each_step_is_rated_in_the_mode_the_gate_decided_for_it():
+    gate, now = SpeculationGate(), 100.0
+    now = _mixed_step(gate, now, speculate=False, prompt=0)
+    for _ in range(4):
+        now = _mixed_step(gate, now, speculate=True, prompt=0)
+    now = _mixed_step(gate, now, speculate=False, prompt=0)
+    cls = gate.classes[3]
+    assert (cls.speculating.samples, cls.plain.samples) == (4, 1)

@@ -58,12 +58,12 @@ def verified(spec: Speculation, rows: list[int], drafted: int, kept: int) -> Non
 
 def test_where_extra_tokens_are_nearly_free_every_row_gets_every_slot():
     table, rows = table_of(8)
-    assert speculation(table, times(FLAT)).slots(rows).tolist() == [4] * 8
+    assert speculation(table, times(FLAT)).slots(rows, 0).tolist() == [4] * 8
 
 
 def test_where_every_token_costs_alike_no_row_gets_a_slot():
     table, rows = table_of(8)
-    assert speculation(table, times(LINEAR)).slots(rows).tolist() == [0] * 8
+    assert speculation(table, times(LINEAR)).slots(rows, 0).tolist() == [0] * 8
 
 
 def test_a_row_whose_drafts_fail_gets_fewer_slots_than_one_whose_drafts_hold():
@@ -73,7 +73,7 @@ def test_a_row_whose_drafts_fail_gets_fewer_slots_than_one_whose_drafts_hold():
     for _ in range(6):
         verified(spec, [0], drafted=8, kept=8)
         verified(spec, [1], drafted=8, kept=0)
-    good, bad = spec.slots(rows).tolist()
+    good, bad = spec.slots(rows, 0).tolist()
     assert good > bad >= 0
 
 
@@ -82,24 +82,40 @@ def test_a_row_whose_drafts_failed_still_tries_one_where_slots_are_cheap():
     spec = speculation(table, times(FLAT))
     for _ in range(20):
         verified(spec, [0], drafted=4, kept=0)
-    assert spec.slots(rows).tolist()[0] >= 1
+    assert spec.slots(rows, 0).tolist()[0] >= 1
+
+
+def test_slots_stay_within_the_tokens_no_prompt_wants_the_surest_first():
+    table, rows = table_of(3)
+    spec = speculation(table, times(FLAT))
+    for _ in range(6):
+        verified(spec, [0], drafted=4, kept=4)
+        verified(spec, [1], drafted=4, kept=2)
+        verified(spec, [2], drafted=4, kept=0)
+    assert spec.slots(rows, 0).sum() > 6
+    assert spec.slots(rows, 0, spare=6).tolist() == [4, 2, 0]
+
+
+def test_no_slots_where_prompt_tokens_would_fill_the_step():
+    table, rows = table_of(4)
+    assert speculation(table, times(FLAT)).slots(rows, 0, spare=0).tolist() == [0] * 4
 
 
 def test_requests_that_opt_out_get_no_slots():
     table, rows = table_of(3, speculate=False)
-    assert speculation(table, times(FLAT)).slots(rows).tolist() == [0, 0, 0]
+    assert speculation(table, times(FLAT)).slots(rows, 0).tolist() == [0, 0, 0]
 
 
 def test_no_slots_in_a_step_with_more_rows_than_disable_by_batch_size():
     table, rows = table_of(5)
     spec = speculation(table, times(FLAT), disable_by_batch_size=4)
-    assert spec.slots(rows).tolist() == [0] * 5
-    assert spec.slots(rows[:4]).tolist() == [4] * 4
+    assert spec.slots(rows, 0).tolist() == [0] * 5
+    assert spec.slots(rows[:4], 0).tolist() == [4] * 4
 
 
 def test_without_adaptive_every_row_gets_every_slot():
     table, rows = table_of(4)
-    assert speculation(table, times(LINEAR), adaptive=False).slots(rows).tolist() == [4] * 4
+    assert speculation(table, times(LINEAR), adaptive=False).slots(rows, 0).tolist() == [4] * 4
 
 
 def test_observe_counts_drafts_and_accepted_tokens_by_position():
@@ -130,7 +146,7 @@ def test_slots_are_refused_where_the_gate_measured_speculating_steps_slower():
     spec = speculation(table, times(FLAT))
     now = 0.0
     for step in range(40):  # the host's drafting makes every verify step 4x longer
-        slots = spec.slots(rows)
+        slots = spec.slots(rows, step)
         speculating = bool(slots.any())
         n = len(rows)
         sampled = (1 + slots).astype(np.int32)
@@ -142,5 +158,51 @@ def test_slots_are_refused_where_the_gate_measured_speculating_steps_slower():
             result.counts, result.drafted = np.full(n, 2, np.int32), slots.astype(np.int32)
         now += seconds
         spec.observe(plan, result, now)
-    assert spec.slots(rows).tolist() == [0] * 4
+    assert spec.slots(rows, 0).tolist() == [0] * 4
     assert spec.stats.gated_steps > 0
+
+
+def decoding_scheduler(*waiting_prompts: int, max_seqs: int = 8) -> StepPlan:
+    """The next plan of a scheduler whose two requests decode, with requests of
+    ``waiting_prompts`` tokens waiting; a 16-token budget, ``max_seqs`` seats."""
+    from async_engine.core.policy import make_policy
+    from async_engine.core.scheduler import Scheduler, SchedulerConfig
+    from blockalloc import BlockPool
+
+    policy = make_policy("fcfs", max_seqs, 16)
+    sched = Scheduler(SchedulerConfig(64, 4), BlockPool(64, 4), policy)
+    sched.speculation = speculation(sched.table, times(FLAT))
+    for i in range(2):
+        sched.add_request(Request(f"r{i}", [1, 2, 3], SamplingParams(), max_model_len=64))
+    prefill = sched.schedule()
+    sched.update_from_output(prefill, StepResult(prefill.step_id, np.array([7, 8], np.int64)))
+    for i, n in enumerate(waiting_prompts):
+        prompt = list(range(1, n + 1))
+        sched.add_request(Request(f"w{i}", prompt, SamplingParams(), max_model_len=64))
+    return sched.schedule()
+
+
+def test_decodes_get_draft_slots_from_a_budget_no_prompt_wants():
+    plan = decoding_scheduler()
+    assert plan.num_sampled.tolist() == [5, 5]  # 1 + 4 drafts each
+
+
+def test_a_waiting_prompt_that_fills_the_budget_takes_it_before_draft_slots():
+    plan = decoding_scheduler(30)
+    assert plan.num_sampled[:2].tolist() == [1, 1]
+    assert plan.num_tokens == 16  # the rest of the budget went to the prompt
+
+
+def test_draft_slots_take_what_a_short_waiting_prompt_leaves():
+    plan = decoding_scheduler(10)
+    assert plan.num_sampled[:2].sum() == 2 + 16 - 2 - 10  # decodes, their drafts, the prompt
+
+
+def test_with_one_seat_free_only_the_next_waiting_prompt_holds_back_draft_slots():
+    plan = decoding_scheduler(10, 10, max_seqs=3)
+    assert plan.num_sampled[:2].sum() == 2 + 16 - 2 - 10
+
+
+def test_with_seats_for_several_waiting_prompts_no_draft_slots_are_granted():
+    plan = decoding_scheduler(10, 10)
+    assert plan.num_sampled[:2].tolist() == [1, 1]

@@ -4,8 +4,10 @@ Two workloads: an agent-like one (tool loops whose answers quote the conversatio
 ``bench/agent_workload.py``; on the simulated device, text that quotes itself at
 ``--agent-repeat``) and the offline bench's plain one (random prompts: nothing to draft).
 Each method gets one engine, warmed up; at each batch size every engine runs in turn: ``batch``
-requests at a time (a new one starts as one ends), overlap on. All figures come from one
-run and are printed as ratios to speculation off.
+requests at a time (a new one starts as one ends), overlap on, ``--rounds`` times over with
+new prompts each round (the methods' order turning round to round), and each method's
+rounds are pooled. All figures come from one run and are printed as ratios to speculation
+off; on a noisy machine the spread of the rounds' ratios says how far to trust them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from async_engine.bench.spec_table import agreement, print_tables
 from async_engine.core.workload import Workload
 from sampler.params import SamplingParams
 
+RAW = ("outputs", "prompts", "gaps", "tpots")  # kept out of --json
 SPEC_KEYS = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
 
 
@@ -56,17 +59,45 @@ async def run_batch(
         if len(r.output_ids) > 1 and r.finished_time and r.first_token_time:
             tpot.append((r.finished_time - r.first_token_time) / (len(r.output_ids) - 1))
     delta = {k: after[k] - before[k] for k in SPEC_KEYS}
+    return pooled(
+        [
+            {
+                "tokens": tokens,
+                "seconds": wall,
+                "gaps": gaps,
+                "tpots": tpot,
+                "spec": delta,
+                "device_idle": engine.timeline.idle_fraction(),
+                "outputs": [list(r.output_ids) for r in reqs],
+                "prompts": prompts,
+            }
+        ]
+    )
+
+
+def pooled(rounds: list[dict]) -> dict:
+    """One method's figures over its rounds at one batch size: tokens over seconds, every
+    round's latencies and drafts together, and each round's tokens/s."""
+    tokens = sum(r["tokens"] for r in rounds)
+    seconds = sum(r["seconds"] for r in rounds)
+    spec = {k: sum(r["spec"][k] for r in rounds) for k in SPEC_KEYS}
+    gaps = [g for r in rounds for g in r["gaps"]]
+    tpots = [t for r in rounds for t in r["tpots"]]
     return {
         "tokens": tokens,
-        "seconds": wall,
-        "tokens_per_s": tokens / wall,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "round_tokens_per_s": [r["tokens"] / r["seconds"] for r in rounds],
+        "gaps": gaps,
+        "tpots": tpots,
+        "spec": spec,
         "itl_ms": _percentiles(gaps),
-        "tpot_ms": _percentiles(tpot),
-        "acceptance": delta["spec_num_accepted_tokens"] / max(1, delta["spec_num_draft_tokens"]),
-        "accepted_length": 1 + delta["spec_num_accepted_tokens"] / max(1, delta["spec_num_drafts"]),
-        "device_idle": engine.timeline.idle_fraction(),
-        "outputs": [list(r.output_ids) for r in reqs],
-        "prompts": prompts,
+        "tpot_ms": _percentiles(tpots),
+        "acceptance": spec["spec_num_accepted_tokens"] / max(1, spec["spec_num_draft_tokens"]),
+        "accepted_length": 1 + spec["spec_num_accepted_tokens"] / max(1, spec["spec_num_drafts"]),
+        "device_idle": sum(r["device_idle"] * r["seconds"] for r in rounds) / seconds,
+        "outputs": [o for r in rounds for o in r["outputs"]],
+        "prompts": [p for r in rounds for p in r["prompts"]],
     }
 
 
@@ -81,6 +112,7 @@ async def run_methods(
     params: SamplingParams,
     batches: list[int],
     min_requests: int,
+    rounds: int = 1,
 ) -> dict[str, dict[int, dict]]:
     """Each method's engine (``options`` by method), all started first, then every batch
     size run by each in turn: on a noisy machine a slow minute falls on every method alike,
@@ -99,11 +131,17 @@ async def run_methods(
         at = 0
         for batch in batches:
             count = max(min_requests, 2 * batch)
-            for method, engine in engines.items():
-                out[method][batch] = await run_batch(
-                    engine, prompts[at : at + count], params, batch
-                )
-            at += count
+            runs: dict[str, list[dict]] = {method: [] for method in options}
+            for turn in range(rounds):
+                order = list(engines)
+                order = order[turn % len(order) :] + order[: turn % len(order)]
+                for method in order:
+                    runs[method].append(
+                        await run_batch(engines[method], prompts[at : at + count], params, batch)
+                    )
+                at += count
+            for method, done in runs.items():
+                out[method][batch] = pooled(done)
         return out
     finally:
         for engine in engines.values():
@@ -152,6 +190,8 @@ def cmd_spec(args: argparse.Namespace) -> int:
     from async_engine.cli.options import engine_options
     from async_engine.core.config import EngineConfig
 
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds: give 1 or more runs a batch size, got {args.rounds}")
     options = engine_options(args)
     options["speculative_config"] = None
     config = EngineConfig(**options)
@@ -164,11 +204,12 @@ def cmd_spec(args: argparse.Namespace) -> int:
     print(
         f"dtype {dtype}; batches {batches}; {args.max_tokens} new tokens each, greedy; "
         f"k = {args.num_speculative_tokens}; at least {args.min_requests} requests a batch size"
+        f" in each of {args.rounds} round(s)"
     )
     results: dict[str, dict[str, dict[int, dict]]] = {}
     margins: dict[str, dict[str, list[float]]] = {}
     for workload in args.workloads.split(","):
-        needed = sum(max(args.min_requests, 2 * b) for b in batches) + 2
+        needed = args.rounds * sum(max(args.min_requests, 2 * b) for b in batches) + 2
         prompts = workload_prompts(workload, options, needed, args.workload_seed)
         by_method = {}
         for method in methods:
@@ -185,7 +226,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
                 run_options["speculative_config"] = speculative
             by_method[method] = run_options
         per_method = asyncio.run(
-            run_methods(by_method, prompts, params, batches, args.min_requests)
+            run_methods(by_method, prompts, params, batches, args.min_requests, args.rounds)
         )
         results[workload] = per_method
         if not sim:
@@ -197,7 +238,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
     print_tables(results, float32=dtype == "float32", margins=margins)
     if args.json:
         slim = {
-            w: {m: {b: {k: v for k, v in r.items() if k not in ("outputs", "prompts")}
+            w: {m: {b: {k: v for k, v in r.items() if k not in RAW}
                     for b, r in runs.items()}
                 for m, runs in per.items()}
             for w, per in results.items()
@@ -218,6 +259,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", default="agent,plain")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--min-requests", type=int, default=8, help="requests per batch size (>= 2x)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of every method at each batch size, pooled (new prompts each round)",
+    )
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--draft-model", default=None, help="the draft_model method's model")
     p.add_argument(

@@ -39,6 +39,25 @@ def agreement(per_method: dict[str, dict[int, dict]]) -> dict[str, dict[str, Any
     return out
 
 
+def round_spread(per_method: dict[str, dict[int, dict]]) -> str:
+    """Per batch size and method, the lowest and highest of each round's ratio to off's
+    round (empty with one round)."""
+    off = per_method["off"]
+    parts = []
+    for batch, base in off.items():
+        rounds = base.get("round_tokens_per_s", [])
+        if len(rounds) < 2:
+            continue
+        cells = []
+        for method, runs in per_method.items():
+            if method == "off":
+                continue
+            ratios = [m / o for m, o in zip(runs[batch]["round_tokens_per_s"], rounds, strict=True)]
+            cells.append(f"{method} {min(ratios):.2f}-{max(ratios):.2f}")
+        parts.append(f"{batch}: " + ", ".join(cells))
+    return "; ".join(parts)
+
+
 def margin_summary(margins: list[float]) -> str:
     """The top-2 logprob margins where runs first differ: how close to a tie they were."""
     if not margins:
@@ -69,6 +88,9 @@ def print_tables(
                 cell += "" if method == "off" else f" ({ratio:4.2f}x)"
                 cells.append(f"{cell:>30}")
             print(f"{batch:>6} " + "".join(cells))
+        spread = round_spread(per_method)
+        if spread:
+            print(f"{'':>6} each round's ratio to off, lowest-highest: {spread}")
         print(f"{'':>6} ITL p50/p95 ms, TPOT p50 ms, accepted share and length, device idle")
         for batch in batches:
             cells = []

@@ -21,8 +21,9 @@ from async_engine.core.request import Request
 from async_engine.core.running import Running
 from streams.plan import DRAFT, PLACEHOLDER, RESOLVE
 
-# Draft slots wanted for each of the running rows (int64 [R] -> int64 [R]).
-DraftSlots = Callable[[np.ndarray], np.ndarray]
+# Draft slots wanted for each of the running rows (int64 [R] -> int64 [R]) in a step (its
+# id), given the step's tokens no prompt wants (see ``Speculation.slots``).
+DraftSlots = Callable[[np.ndarray, int, int], np.ndarray]
 
 
 def plan_decodes(
@@ -33,11 +34,13 @@ def plan_decodes(
     budget: int,
     draft_slots: DraftSlots | None,
     step_id: int,
+    waiting_tokens: int = 0,
 ) -> tuple[PlanPart | None, list[Request], int] | None:
     """The decodes among the ``running`` requests (``rows``: theirs) within ``budget``: their
     plan part (None if there are none), the requests with more than one token to feed (prompt
     chunks, in running order, up to where the budget ran out) and the budget left. None
-    where the pool lacks a block one needs."""
+    where the pool lacks a block one needs. ``waiting_tokens``: prompt tokens of waiting
+    requests this step may admit, which draft slots should not displace either."""
     t = kv.rows
     computed, inflight, drafts = t.computed[rows], t.inflight[rows], t.drafts[rows]
     pending = t.tokens[rows] + inflight
@@ -52,7 +55,9 @@ def plan_decodes(
         chunk = (room > 0) & (feed > 1)
         wanted = np.zeros(len(rows), np.int64)
         if draft_slots is not None:
-            wanted = np.where(decode, np.clip(draft_slots(rows), 0, room - 1), 0)
+            prompt_tokens = int(feed[chunk].sum()) + waiting_tokens
+            spare = max(budget - int(decode.sum()) - prompt_tokens, 0)
+            wanted = np.where(decode, np.clip(draft_slots(rows, step_id, spare), 0, room - 1), 0)
         cost = np.where(decode, 1 + wanted, 0)
         before = np.cumsum(cost) - cost
         visited = before < budget  # the budget runs out before the rest

@@ -33,12 +33,9 @@ class KVCacheManager:
         return True
 
     def lookup_prefix(self, req: Request) -> None:
-        # Leave at least one token to compute: its logits give the next token. A request
-        # that scores its prompt computes all of it: a cached block's logits are not kept.
-        if req.prompt_scores is not None and None in req.prompt_scores[1:]:
+        full = self._reusable_blocks(req)
+        if full is None:
             return
-        full = (req.num_tokens - 1) // self.block_size
-        self._hash_up_to(req, full)
         hits = self.pool.lookup(req.hash_chain[:full])
         req.block_ids = hits
         req.block_hashes = req.hash_chain[: len(hits)]
@@ -46,6 +43,24 @@ class KVCacheManager:
         self.rows.set_blocks(req)
         if not req.output_ids and req.num_preemptions == 0:
             req.num_cached_tokens = req.num_computed_tokens
+
+    def tokens_to_compute(self, req: Request) -> int:
+        """The tokens a waiting ``req`` would compute were it admitted now (its prompt less
+        the prefix the cache holds)."""
+        full = self._reusable_blocks(req)
+        cached = 0 if full is None else self.pool.cached_prefix(req.hash_chain[:full])
+        return req.num_tokens - cached * self.block_size
+
+    def _reusable_blocks(self, req: Request) -> int | None:
+        """How many of a waiting request's full blocks the prefix cache may give it (their
+        hashes made), None where it must compute them all."""
+        # Leave at least one token to compute: its logits give the next token. A request
+        # that scores its prompt computes all of it: a cached block's logits are not kept.
+        if req.prompt_scores is not None and None in req.prompt_scores[1:]:
+            return None
+        full = (req.num_tokens - 1) // self.block_size
+        self._hash_up_to(req, full)
+        return full
 
     def register_full_blocks(self, req: Request, known: int | None = None) -> None:
         """Offer the request's blocks filled so far to the prefix cache. ``known``: tokens

@@ -127,8 +127,9 @@ class Scheduler:
         preemptions_before = self.preemption.count
         running = self.running
         slots = self.speculation.slots if self.speculation is not None else None
+        waiting = self._waiting_tokens(shape) if slots is not None else 0
         bulk = plan_decodes(
-            self.kv, self.policy, running, running.rows(), shape.budget, slots, step_id
+            self.kv, self.policy, running, running.rows(), shape.budget, slots, step_id, waiting
         )
         if bulk is not None:
             part, chunks, budget = bulk
@@ -149,6 +150,18 @@ class Scheduler:
         if chosen:
             parts.append(chosen_part(chosen, self.table, step_id))
         return parts, new_rows
+
+    def _waiting_tokens(self, shape: StepShape) -> int:
+        """Prompt tokens the step may admit: the next waiting request's where one seat is
+        free or one request waits (the common case: a request finished), else the whole
+        budget (how many of theirs fit is known only as they are admitted)."""
+        waiting, seats = self.policy.num_waiting, shape.max_running - len(self.running)
+        if not waiting or seats <= 0:
+            return 0
+        if waiting > 1 and seats > 1:
+            return shape.budget
+        req = self.policy.next_waiting(len(self.running), first_tokens=False)
+        return 0 if req is None else self.kv.tokens_to_compute(req)
 
     def _chunks(self, chunks: list[Request], chosen: list[tuple[Request, int]], budget: int) -> int:
         """Prompt chunks of the running requests with more than one token to feed."""

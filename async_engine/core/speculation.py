@@ -70,8 +70,13 @@ class Speculation:
         self.stats = SpeculationStats(accepted_per_position=[0] * config.num_speculative_tokens)
         self.gate = SpeculationGate()
 
-    def slots(self, rows: np.ndarray) -> np.ndarray:
-        """Draft slots for each of the running ``rows`` this step (int64, 0: none)."""
+    def slots(self, rows: np.ndarray, step_id: int, spare: int | None = None) -> np.ndarray:
+        """Draft slots for each of the running ``rows`` in step ``step_id`` (int64, 0: none).
+
+        ``spare``: the step's tokens no prompt wants (its budget less the decodes' tokens
+        and the prompt tokens waiting to be computed; None: no limit). Adaptive slots stay
+        within it: past it a draft displaces a prompt token, which the step computes for
+        good, for one it keeps only with the draft's acceptance, so it never pays."""
         k, t = self.config.num_speculative_tokens, self.table
         allowed = (t.flags[rows] & SPECULATE) != 0
         limit = self.config.disable_by_batch_size
@@ -79,10 +84,14 @@ class Speculation:
             return np.zeros(len(rows), np.int64)
         if not self.config.adaptive:
             return np.where(allowed, k, 0)
+        if spare is not None and spare <= 0:
+            return np.zeros(len(rows), np.int64)
         rates = self._rates(rows)
         rates = np.where(allowed, rates, 0.0)
         slots = self._worth(rates, len(rows))
-        if slots.any() and not self.gate.allows(len(rows)):
+        if spare is not None and slots.sum() > spare:
+            slots = _most_worth(slots, rates, spare)
+        if slots.any() and not self.gate.allows(len(rows), step_id):
             self.stats.gated_steps += 1
             return np.zeros(len(rows), np.int64)
         return slots
@@ -145,3 +154,12 @@ class Speculation:
         )
         if without is not None:
             stats.verify_extra_device_seconds += seconds - without
+
+
+def _most_worth(slots: np.ndarray, rates: np.ndarray, total: int) -> np.ndarray:
+    """The ``total`` slots of ``slots`` worth the most tokens (the j-th of a row is worth
+    its acceptance to the j-th power, so each row keeps a prefix of its own)."""
+    rows = np.repeat(np.arange(len(slots)), slots)
+    positions = np.arange(len(rows)) - np.repeat(np.cumsum(slots) - slots, slots) + 1
+    kept = np.argsort(-(rates[rows] ** positions), kind="stable")[:total]
+    return np.bincount(rows[kept], minlength=len(slots)).astype(np.int64)

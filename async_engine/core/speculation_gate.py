@@ -21,6 +21,12 @@ A try costs what the losing mode loses a step (a verify step that waits for its 
 cost two plain ones on a fast device), so a fixed one in 16 would cost a few per cent for
 good; backing off keeps it under one.
 
+Only the steps the gate decided are rated: those the slot model granted slots, so that
+either mode could run them. A step with no choice (prompt tokens filled its budget, or no
+row's drafts were worth a slot) is often of another kind altogether (a prefill chunk beside
+a few decodes, hundreds of tokens a decoding row), and rating it as "plain" would compare
+prefill with decoding, not the two modes.
+
 A step's worth is the tokens it finished for good: those its rows emitted and the prompt
 tokens it computed. Both are work every request needs done once (drafts that were refused
 are not), so the mode that finishes more of it a second serves more requests a second.
@@ -102,12 +108,17 @@ class SpeculationGate:
     def __init__(self) -> None:
         self.classes: dict[int, BatchClass] = {}
         self._last_arrival: float | None = None
+        self._decided: dict[int, bool] = {}  # step id -> whether it speculates, until observed
         self.turned_off_steps = 0  # steps the slot model granted slots and the gate refused
 
-    def allows(self, num_rows: int) -> bool:
-        """Whether a step of ``num_rows`` decoding rows that the slot model would give draft
-        slots should speculate."""
-        cls = self._class(num_rows)
+    def allows(self, num_rows: int, step_id: int) -> bool:
+        """Whether step ``step_id``, of ``num_rows`` decoding rows that the slot model would
+        give draft slots, should speculate."""
+        allow = self._decide(self._class(num_rows))
+        self._decided[step_id] = allow
+        return allow
+
+    def _decide(self, cls: BatchClass) -> bool:
         cls.decisions += 1
         if cls.learning():
             # Speculate first (its rate is the unknown that matters), then try plain.
@@ -120,23 +131,23 @@ class SpeculationGate:
         return allow
 
     def observe(self, plan: StepPlan, result: StepResult, now: float) -> None:
-        """A step's result arrived at ``now``: its period rates the mode it ran in."""
+        """A step's result arrived at ``now``: if the gate decided the step, its period rates
+        the mode it ran in."""
         last, self._last_arrival = self._last_arrival, now
-        sampled = int((plan.num_sampled > 0).sum())
-        # Decoding rows feed only sampled tokens (one, or one and its drafts); a prompt's
-        # last chunk samples too but had nothing to draft from, so a step without decoding
-        # rows made no choice to rate (and its prompt tokens would rate "plain" for it).
+        speculating = self._decided.pop(plan.step_id, None)
+        if self._decided and min(self._decided) < plan.step_id:  # steps that never ran
+            self._decided = {s: d for s, d in self._decided.items() if s > plan.step_id}
+        # Decoding rows feed only sampled tokens (one, or one and its drafts).
         decoding = int(((plan.num_sampled > 0) & (plan.query_lens == plan.num_sampled)).sum())
-        if last is None or not decoding or result.error is not None:
+        if last is None or speculating is None or not decoding or result.error is not None:
             return
         period = now - last
         span = result.device_end - result.device_start
         if period <= 0 or (period > STALE_SECONDS and period > 20 * span):
             return
-        emitted = int(result.emitted(sampled).sum())
+        emitted = int(result.emitted(int((plan.num_sampled > 0).sum())).sum())
         prompts = plan.query_lens > plan.num_sampled  # rows computing prompt tokens
         prompt_tokens = int(plan.query_lens[prompts].sum())
-        speculating = bool((plan.num_sampled > 1).any())
         self._class(decoding).add(speculating, (emitted + prompt_tokens) / decoding, period)
 
     def _class(self, num_rows: int) -> BatchClass:
