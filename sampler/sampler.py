@@ -81,19 +81,34 @@ class Sampler(RowSettings):
         logprobs, top_ids, top_logprobs, wanted = self._logprobs(raw, tokens, ids)
         return Sample(tokens, logprobs, top_ids, top_logprobs, wanted)
 
-    def record(self, rows: torch.Tensor, rows_dev: torch.Tensor, tokens: torch.Tensor) -> None:
+    def record(
+        self,
+        rows: torch.Tensor,
+        rows_dev: torch.Tensor,
+        tokens: torch.Tensor,
+        kept: torch.Tensor | None = None,
+    ) -> None:
         """``tokens`` [N] are outputs of ``rows`` [N] (host int64; a row may appear once per
         token, in output order): they count toward min_tokens, the seeded noise's step and
-        penalties."""
+        penalties. ``kept`` (bool [N], on the device): only those are outputs (a verify
+        step's, decided on the device); the host's count of them follows in
+        ``record_host`` once it knows them, and lags until then."""
         if not len(rows):
             return
         ids = rows
+        weight = torch.ones_like(rows_dev) if kept is None else kept.long()
         if self.counts is not None and self.host["penalised"][ids].any():
             # Only penalised rows read their counts, and each of their tokens passes here.
-            ones = torch.ones(len(rows), device=tokens.device)
-            self.counts.view(-1).index_add_(0, rows_dev * self.vocab_size + tokens, ones)
-        self.generated.index_add_(0, rows_dev, torch.ones_like(rows_dev))
-        self.host_generated.index_add_(0, ids, torch.ones_like(ids))
+            self.counts.view(-1).index_add_(0, rows_dev * self.vocab_size + tokens, weight.float())
+        self.generated.index_add_(0, rows_dev, weight)
+        if kept is None:
+            self.record_host(ids)
+
+    def record_host(self, rows: torch.Tensor) -> None:
+        """The host's count of outputs catches up with ``record``'s (host int64 rows, one
+        per output). Decisions read it as a least count (a min_tokens ban is checked on the
+        device), so lagging is safe."""
+        self.host_generated.index_add_(0, rows, torch.ones_like(rows))
 
     def _pick(
         self, raw: torch.Tensor, ids: torch.Tensor, at: Positions, noise: torch.Tensor | None

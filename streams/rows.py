@@ -40,10 +40,15 @@ class StepLayout:
     # int64 [S]: the draft each sampled token must equal for its row's run to go on (-1: the
     # run's last position, where nothing is drafted)
     next_drafts: np.ndarray
-    drafted: np.ndarray  # int32 [sampled rows]: drafts each verifies
+    drafted: np.ndarray  # int32 [sampled rows]: drafts each verifies (at most, on the device)
     # The prompt positions scored for rows that asked for prompt logprobs: input index, row,
     # position, the prompt token after it (whose logprob it gives), top-n wanted. Empty: none.
     scores: PromptScores | None = None
+    # bool [B], or None where every start is known: rows whose count of tokens the host does
+    # not know yet (a verify step of theirs is in flight); their starts here are the least
+    # they can be, and the device moves their positions to where its own count ends.
+    resolve_on_device: np.ndarray | None = None
+    drafts_on_device: bool = False  # DRAFT inputs left for the device's drafter to fill
 
     @property
     def verifying(self) -> bool:
@@ -85,8 +90,13 @@ class RowState:
         self.tables = np.zeros((rows, max_blocks_per_row), dtype=np.int64)
         self.num_blocks = np.zeros(rows, dtype=np.int64)
         self.live = np.zeros(rows, dtype=bool)
-        self.length = np.zeros(rows, dtype=np.int64)  # tokens the row has: prompt + emitted
-        self.history = np.zeros((rows, 256), dtype=np.int32)  # those tokens
+        # Tokens the row has (prompt + emitted), for laying steps out: exact where no verify
+        # step of the row is unsettled, else the least it can be (one token a step).
+        self.length = np.zeros(rows, dtype=np.int64)
+        self.unsettled = np.zeros(rows, dtype=np.int64)  # verify steps whose counts are unknown
+        self.known = np.zeros(rows, dtype=np.int64)  # tokens in ``history``, in order
+        self.joins = np.zeros(rows, dtype=np.int64)  # requests the row has taken so far
+        self.history = np.zeros((rows, 256), dtype=np.int32)  # the row's tokens
         self.prompt_len = np.zeros(rows, dtype=np.int64)
         self.score_top = np.full(rows, -1, dtype=np.int64)  # prompt_logprobs; -1: none
 
@@ -100,14 +110,16 @@ class RowState:
         if len(plan.released_rows):
             if drafter is not None:
                 for row in plan.released_rows.tolist():
-                    drafter.release(row, self.history[row, : self.length[row]].copy())
+                    drafter.release(row, self.history[row, : self.known[row]].copy())
             self.live[plan.released_rows] = False
             self.num_blocks[plan.released_rows] = 0
         for new in plan.new_rows:
             self._ensure(new.row, len(new.prompt_ids))
             self.live[new.row] = True
             self.num_blocks[new.row] = 0
-            self.length[new.row] = len(new.prompt_ids)
+            self.length[new.row] = self.known[new.row] = len(new.prompt_ids)
+            self.unsettled[new.row] = 0
+            self.joins[new.row] += 1
             self.history[new.row, : len(new.prompt_ids)] = new.prompt_ids
             self.prompt_len[new.row] = len(new.prompt_ids)
             wanted = getattr(new.params, "prompt_logprobs", None)
@@ -138,9 +150,22 @@ class RowState:
         return rows, columns, blocks
 
     # ------------------------------------------------------------------- layout
-    def layout(self, plan: StepPlan, drafter: Drafter | None = None) -> StepLayout:
-        """The step's layout. RESOLVE starts read the rows' token counts, so every step
-        before that sampled for such a row must have been recorded."""
+    def layout(
+        self, plan: StepPlan, drafter: Drafter | None = None, drafts_on_device: bool = False
+    ) -> StepLayout:
+        """The step's layout. RESOLVE starts read the rows' token counts: a row whose count
+        is unsettled starts where the least it can hold ends, flagged for the device
+        (``resolve_on_device``). Drafts: filled here from ``drafter`` (every step before that
+        sampled for a drafting row must have been recorded), or, ``drafts_on_device``, left
+        as DRAFT inputs for the device to fill (a row then verifies every slot it was given;
+        the device cuts its run where its drafts ran out)."""
+        layout = self._layout(plan, drafter, drafts_on_device)
+        unsettled = (plan.starts == RESOLVE) & (self.unsettled[layout.rows] > 0)
+        if unsettled.any():
+            layout.resolve_on_device = unsettled
+        return layout
+
+    def _layout(self, plan: StepPlan, drafter: Drafter | None, on_device: bool) -> StepLayout:
         rows = plan.rows.astype(np.int64)
         starts = plan.starts.astype(np.int64)
         qlens = plan.query_lens.astype(np.int64)
@@ -152,7 +177,11 @@ class RowState:
         if len(rows) and len(ids) == len(rows) and (nsampled == 1).all():
             return self._decode_layout(rows, starts, ids)
         slots = np.maximum(nsampled - 1, 0)  # DRAFT slots: the row's last inputs
-        if slots.any():
+        if slots.any() and on_device:
+            if int((ids == DRAFT).sum()) != int(slots.sum()):
+                raise ValueError("a row's DRAFT slots must be its last inputs")
+            drafted = slots[nsampled > 0].astype(np.int32)
+        elif slots.any():
             ids, qlens, nsampled, drafted = self._fill_drafts(
                 rows, starts, qlens, nsampled, ids, slots, drafter
             )
@@ -194,6 +223,7 @@ class RowState:
             next_drafts=next_drafts,
             drafted=drafted,
             scores=scores,
+            drafts_on_device=on_device and bool(slots.any()),
         )
 
     def _scores(self, token_rows: np.ndarray, positions: np.ndarray) -> PromptScores | None:
@@ -252,6 +282,8 @@ class RowState:
             k, end, row = int(slots[i]), int(ends[i]), int(rows[i])
             if (ids[end - k : end] != DRAFT).any():
                 raise ValueError("a row's DRAFT slots must be its last inputs")
+            if self.known[row] != self.length[row]:
+                raise ValueError(f"row {row} drafts on the host before its tokens reached it")
             if starts[i] + qlens[i] - k != self.length[row]:
                 raise ValueError(
                     f"a row verifying drafts must start from its last token (row {row}: start"
@@ -261,7 +293,7 @@ class RowState:
             raise ValueError("a row's DRAFT slots must be its last inputs")
         drafted = drafter.propose(
             [int(rows[i]) for i in verifying],
-            [self.history[rows[i], : self.length[rows[i]]] for i in verifying],
+            [self.history[rows[i], : self.known[rows[i]]] for i in verifying],
             [int(slots[i]) for i in verifying],
         )
         pieces, filled, at = [], slots.copy(), 0
@@ -290,24 +322,52 @@ class RowState:
     def record(self, layout: StepLayout, tokens: np.ndarray, counts: np.ndarray) -> None:
         """The step emitted ``tokens`` (``counts`` per sampled row, in order): they follow
         each row's tokens, at the positions after its last."""
-        self.remember(layout, self.grow(layout, counts), counts, tokens)
+        self.grow(layout, counts)
+        self.remember(layout, counts, tokens)
 
-    def grow(self, layout: StepLayout, counts: np.ndarray) -> np.ndarray:
-        """The sampled rows' counts of tokens grow by ``counts``; returns them as they were.
-        (A device whose tokens reach the host later grows them at launch: the counts are
-        known then unless the step verified drafts.)"""
+    def grow(self, layout: StepLayout, counts: np.ndarray | None = None) -> None:
+        """At launch, the sampled rows' counts of tokens grow by ``counts``; None: a verify
+        step whose counts the device decides, so each grows by the one token it surely
+        emits and stays unsettled until ``settle``."""
         rows = layout.rows[layout.num_sampled > 0]
-        before = self.length[rows]
-        self.length[rows] = before + counts
-        return before
+        if counts is None:
+            self.length[rows] += 1
+            self.unsettled[rows] += 1
+        else:
+            self.length[rows] += counts
+
+    def joined(self, layout: StepLayout) -> np.ndarray:
+        """Which request each sampled row holds (compare with ``still_held``)."""
+        return self.joins[layout.rows[layout.num_sampled > 0]].copy()
+
+    def settle(self, layout: StepLayout, counts: np.ndarray, joined: np.ndarray) -> None:
+        """A step that ``grow`` left unsettled emitted ``counts``; ``joined``: the requests
+        its rows held then (a row released and taken again since starts afresh)."""
+        rows = layout.rows[layout.num_sampled > 0]
+        held = self.joins[rows] == joined
+        rows, counts = rows[held], counts[held]
+        self.length[rows] += counts - 1
+        self.unsettled[rows] -= 1
 
     def remember(
-        self, layout: StepLayout, before: np.ndarray, counts: np.ndarray, tokens: np.ndarray
+        self,
+        layout: StepLayout,
+        counts: np.ndarray,
+        tokens: np.ndarray,
+        joined: np.ndarray | None = None,
     ) -> None:
-        """The emitted tokens into the rows' histories, after the ``before`` tokens each had."""
+        """The emitted tokens into the rows' histories, after the tokens each had (steps are
+        remembered in order); rows that took another request since ``joined`` are skipped."""
         rows = layout.rows[layout.num_sampled > 0]
+        if joined is not None:
+            held = self.joins[rows] == joined
+            if not held.all():
+                tokens = tokens[np.repeat(held, counts)]
+                rows, counts = rows[held], counts[held]
         if not len(rows):
             return
+        before = self.known[rows]
+        self.known[rows] = before + counts
         if len(tokens) == len(rows):  # one each
             if int(before.max()) >= self.history.shape[1]:
                 self._ensure(int(rows.max()), int(before.max()) + 1)
@@ -327,7 +387,8 @@ class RowState:
         if row >= len(self.live):
             grow = max(2 * len(self.live), row + 1)
             for name in (
-                "tables", "num_blocks", "live", "length", "history", "prompt_len", "score_top"
+                "tables", "num_blocks", "live", "length", "unsettled", "known", "joins",
+                "history", "prompt_len", "score_top",
             ):  # fmt: skip
                 old = getattr(self, name)
                 new = np.full((grow, *old.shape[1:]), -1 if name == "score_top" else 0, old.dtype)

@@ -135,7 +135,7 @@ class SimRunner:
     def _repeating(self, layout: StepLayout) -> np.ndarray:
         """Each sampled position's token from the text that repeats itself: its context is
         the row's tokens and, for a verified position, the drafts before it."""
-        rows, history, length = layout.sample_rows, self.rows.history, self.rows.length
+        rows, history, length = layout.sample_rows, self.rows.history, self.rows.known
         index, ids = layout.sample_index, layout.input_ids
         drafts = [
             ids[index[s] - offset + 1 : index[s] + 1].tolist()

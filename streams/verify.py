@@ -11,7 +11,12 @@ with probability p(d), and on rejection the token is drawn from p without d, ren
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 def emitted_counts(
@@ -29,3 +34,25 @@ def emitted_counts(
 def keep_emitted(offsets: np.ndarray, num_sampled: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """bool [positions]: the sampled positions whose token a row emits."""
     return offsets < np.repeat(counts, num_sampled)
+
+
+# The same rule in torch ops of fixed shapes, for a model device: no host sync, so a GPU
+# runs it inside the step. (The simulated device runs the numpy twin above and loads no
+# torch; tests/test_handoff_protocol.py holds the two equal.)
+def counts_of_runs(
+    tokens: torch.Tensor, next_drafts: torch.Tensor, offsets: torch.Tensor, runs: torch.Tensor,
+    num_runs: int,
+) -> torch.Tensor:  # fmt: skip
+    """int64 [num_runs]: tokens each sampled row emits, from per-position tokens, drafts after
+    them (-1: none), offsets in their runs and their runs' indices (all on one device)."""
+    import torch
+
+    never = torch.iinfo(torch.int64).max
+    first_miss = torch.full((num_runs,), never, dtype=torch.int64, device=tokens.device)
+    missed = torch.where(tokens != next_drafts, offsets, never)
+    return first_miss.scatter_reduce_(0, runs, missed, "amin") + 1
+
+
+def kept_of_runs(offsets: torch.Tensor, runs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """bool [positions]: the sampled positions whose token a row emits (device tensors)."""
+    return offsets < counts[runs]

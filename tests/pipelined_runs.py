@@ -73,6 +73,30 @@ class LookaheadDrafter:
         return drafts
 
 
+class DeviceLookahead(LookaheadDrafter):
+    """``LookaheadDrafter`` behind the on-device contract (``propose_on_device``): the runner
+    drafts inside the step, from its device copy of the rows' tokens (each row found in the
+    reference by those tokens), and the reference replays the proposals."""
+
+    drafts_on_device = True
+
+    def __init__(self, reference: RecomputeRunner) -> None:
+        super().__init__(reference)
+        self.proposals: list[np.ndarray] = []
+
+    def propose_on_device(self, history: torch.Tensor, lengths: torch.Tensor, k: int):
+        drafts = torch.zeros(len(lengths), k, dtype=torch.int64)
+        found = torch.zeros(len(lengths), dtype=torch.int64)
+        for v, n in enumerate(lengths.tolist()):
+            tokens = history[v, :n].tolist()
+            row = next(r for r, t in self.reference.tokens.items() if t == tokens)
+            proposal = self.one(row, k)
+            self.proposals.append(proposal)
+            drafts[v, : len(proposal)] = torch.from_numpy(proposal)
+            found[v] = len(proposal)
+        return drafts.to(history.device), found.to(history.device)
+
+
 class Recorded:
     """A drafter's proposals, recorded as one runner asks, replayed in order to another."""
 
@@ -130,6 +154,41 @@ def walk_two_deep(
         expected.append(result)
     got += [runner.finish(p) for p in in_flight]
     return expected, got
+
+
+def walk_device_drafts(
+    folder: str, seed: int, steps: int, block: int = BLOCK, ngram: bool = False, **options
+) -> tuple[list, list, PipelinedRunner]:
+    """The walk with rows verifying up to 4 drafts made on the device: the reference's own
+    future, one draft of every third proposal wrong (``DeviceLookahead``, replayed to the
+    reference), or (``ngram``) the n-gram drafter's, the reference drafting with its numpy
+    twin."""
+    from streams.drafting.ngram import NgramDrafter
+
+    walk = PlanWalk(seed, 160, block, NUM_BLOCKS, PARAMS, max_drafts=4)
+    reference = reference_runner(folder)
+    if ngram:
+        drafter = NgramDrafter(prompt_lookup_min=1, prompt_lookup_max=3)
+        proposals = lambda row, tokens, k: drafter.lookup(tokens, k)  # noqa: E731
+    else:
+        drafter = DeviceLookahead(reference)
+        proposals = lambda row, tokens, k: next(replayed)  # noqa: E731
+    runner = pipelined_runner(folder, block, drafter=drafter, **options)
+    expected, got, in_flight = [], [], []
+    for _ in range(steps):
+        plan = walk.plan()
+        if len(in_flight) == SLOTS:
+            got.append(runner.finish(in_flight.pop(0)))
+        if not ngram:
+            drafter.proposals = []
+        in_flight.append(runner.launch(plan))
+        replayed = iter(getattr(drafter, "proposals", []))
+        result = reference.run(plan, proposals)
+        assert result.error is None, result.error
+        walk.record(plan, result)
+        expected.append(result)
+    got += [runner.finish(p) for p in in_flight]
+    return expected, got, runner
 
 
 def assert_same_results(expected: list, got: list) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from streams.drafting.ngram import NgramDrafter
 from streams.drafting.suffix import SuffixDrafter
@@ -38,6 +40,32 @@ def test_ngram_drafts_at_most_k_and_nothing_without_a_match():
     assert drafter.lookup(a(1, 2, 3, 4, 5, 6, 1), 2).tolist() == [2, 3]
     assert drafter.lookup(a(1, 2, 3), 4).tolist() == []
     assert [d.tolist() for d in drafter.propose([0, 1], [a(1, 2, 1), a(3)], [2, 2])] == [[2, 1], []]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 2), max_size=20), min_size=1, max_size=4),
+    st.integers(1, 3),
+    st.integers(0, 3),
+    st.integers(1, 5),
+)
+def test_ngram_on_the_device_drafts_what_its_numpy_twin_drafts(rows, low, extra, k):
+    """Every row at once, in torch ops of fixed shapes over a padded [rows, width] history,
+    against the numpy lookup of each row alone (three-token alphabets: matches of every
+    length, earlier and later, abound)."""
+    import torch
+
+    drafter = NgramDrafter(prompt_lookup_min=low, prompt_lookup_max=low + extra)
+    width = max(len(r) for r in rows) + 3
+    history = torch.full((len(rows), width), 7, dtype=torch.int32)  # 7: no token of the rows
+    for i, tokens in enumerate(rows):
+        history[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+    lengths = torch.tensor([len(r) for r in rows])
+    drafts, counts = drafter.propose_on_device(history, lengths, k)
+    for i, tokens in enumerate(rows):
+        want = drafter.lookup(np.array(tokens, np.int64), k).tolist()
+        assert drafts[i, : counts[i]].tolist() == want
+        assert drafts[i, counts[i] :].tolist() == [0] * (k - int(counts[i]))
 
 
 # ------------------------------------------------------------------ suffix decoding

@@ -194,6 +194,32 @@ def test_a_row_emits_its_longest_run_that_equals_the_drafts_plus_one():
     assert tokens[keep_emitted(offsets, runs, counts)].tolist() == [6, 7, 9, 50, 1]
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=6), min_size=1, max_size=6),
+       st.data())  # fmt: skip
+def test_the_device_decides_the_same_runs_as_the_host(runs, data):
+    """The rule in torch ops of fixed shapes (a model device's) against the numpy twin (the
+    simulated device's): per row its sampled tokens and the drafts after them."""
+    import torch
+
+    from streams.verify import counts_of_runs, kept_of_runs
+
+    tokens = np.array([t for run in runs for t in run], np.int64)
+    drafts = np.array(
+        [d for run in runs for d in [*data.draw(st.lists(st.integers(0, 3), min_size=len(run)
+                                    - 1, max_size=len(run) - 1)), -1]], np.int64
+    )  # fmt: skip
+    offsets = np.concatenate([np.arange(len(run)) for run in runs])
+    sizes = np.array([len(run) for run in runs])
+    want = emitted_counts(tokens, drafts, offsets, sizes)
+    index = torch.from_numpy(np.repeat(np.arange(len(runs)), sizes))
+    t = [torch.from_numpy(x) for x in (tokens, drafts, offsets)]
+    got = counts_of_runs(*t, index, len(runs))
+    assert got.tolist() == want.tolist()
+    kept = kept_of_runs(t[2], index, got).numpy()
+    assert kept.tolist() == keep_emitted(offsets, sizes, want).tolist()
+
+
 def test_a_plan_that_reads_past_its_table_is_refused():
     rows = RowState(block_size=4, max_blocks_per_row=8, rows=1)
     plan = StepPlan(

@@ -28,6 +28,7 @@ from pipelined_runs import (
     reference_runner,
     seeded_model,
     walk_both,
+    walk_device_drafts,
     walk_two_deep,
 )
 from plan_walk import PlanWalk
@@ -35,6 +36,7 @@ from recompute_runner import RecomputeRunner
 
 from async_engine.model.loader import build_model
 from sampler.params import SamplingParams
+from streams.pipeline.devsync import DeviceSync
 from streams.pipeline.runner import PipelinedRunner
 from streams.plan import PLACEHOLDER, NewRow, StepPlan, int32s, int64s
 
@@ -69,6 +71,23 @@ def tiny(tmp_path_factory) -> str:
 def test_two_steps_in_flight_give_the_references_tokens(tiny, seed):
     expected, got = walk_both(tiny, seed, steps=60, cuda_graphs=False)
     assert sum(len(r.tokens) for r in expected) > 50  # the walk sampled plenty
+    assert_same_results(expected, got)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rows_drafting_on_the_device_emit_what_one_token_at_a_time_decoding_emits(tiny, seed):
+    """Drafts made inside the step from the device's copy of the rows' tokens, verified
+    there: runs of every length kept, two steps in flight."""
+    expected, got, runner = walk_device_drafts(tiny, seed, steps=60, cuda_graphs=False)
+    runs = [c for r in expected for c in r.emitted(0).tolist()]
+    assert max(runs) == 5 and 1 in runs
+    assert_same_results(expected, got)
+    assert runner.rows.host.unsettled.sum() == 0  # every count came back
+
+
+def test_the_ngram_drafter_on_the_device_drafts_what_its_numpy_twin_drafts(tiny):
+    expected, got, _ = walk_device_drafts(tiny, 0, steps=60, ngram=True, cuda_graphs=False)
+    assert sum(int(r.drafted.sum()) for r in got if r.drafted is not None) > 20
     assert_same_results(expected, got)
 
 
@@ -254,6 +273,42 @@ def test_rows_of_several_tokens_under_triton_attention_give_the_references_token
     expected, got = walk_both(tiny, 5, steps=24, max_drafts=4, block=16, **options)
     assert (sum(verify_bucket_steps) >= 3) == buckets
     assert max(c for r in expected for c in r.emitted(0).tolist()) > 1  # drafts were kept
+    assert_same_results(expected, got)
+
+
+class DeferredSync(DeviceSync):
+    """The host twin taking the GPU's paths: a step's tokens are taken into the host rows
+    when it is finished, not at launch, so the next step meets counts the host lacks."""
+
+    serial = False
+
+
+@pytest.mark.parametrize("buckets", [False, True], ids=["varlen", "verify-buckets"])
+def test_rows_whose_counts_the_host_lacks_start_where_the_devices_counts_end(
+    tiny, monkeypatch, buckets
+):
+    """Two steps in flight, drafts made and verified on the device, Triton's attention (planned
+    on the device): a row's next step is laid out before its verify step's counts reach the
+    host, and the device moves it to where its verified run ended."""
+    if interpreted_kernels is None:
+        pytest.skip(NO_INTERPRETER)
+    from streams.pipeline import devsync, runner
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(devsync, "for_device", lambda device: DeferredSync(torch.device(device)))
+    resolved, resolve = [], runner.resolve_starts
+
+    def counted(dev, *args):
+        resolved.append(int(dev["resolve"].sum()))
+        return resolve(dev, *args)
+
+    monkeypatch.setattr(runner, "resolve_starts", counted)
+    options = {"attention": "triton", "graph_max_batch": 8}
+    if buckets:
+        options |= {"cuda_graphs": True, "eager_buckets": True, "graph_tokens_per_row": 5}
+    expected, got, _ = walk_device_drafts(tiny, 2, steps=30, block=16, **options)
+    assert sum(resolved) >= 10
+    assert max(c for r in expected for c in r.emitted(0).tolist()) > 2
     assert_same_results(expected, got)
 
 

@@ -11,10 +11,12 @@ from pipelined_runs import (
     NUM_BLOCKS,
     PARAMS,
     LookaheadDrafter,
+    assert_same_results,
     first_step_plan,
     make_tiny_model,
     pipelined_runner,
     reference_runner,
+    walk_device_drafts,
     walk_two_deep,
 )
 from plan_walk import PlanWalk
@@ -231,6 +233,15 @@ def test_rows_verifying_drafts_in_the_padded_buckets_order_every_access(tiny, or
         _walk(tiny, pipelined_runner(tiny, graph_max_batch=8, **buckets), 30, drafts=4)
 
 
+def test_rows_drafting_and_verifying_on_the_device_order_every_access(tiny, ordered):
+    """The n-gram drafter reading the device's copy of the rows' tokens, verification and the
+    counts it writes there, and the host taking them a step later."""
+    with ordered.watch():
+        expected, got, _ = walk_device_drafts(tiny, 1, steps=40, ngram=True, cuda_graphs=False)
+    assert sum(int(r.drafted.sum()) for r in got if r.drafted is not None) > 10
+    assert_same_results(expected, got)
+
+
 def test_without_the_start_up_wait_the_first_step_races_the_cache_zeroing(
     tiny, ordered, monkeypatch
 ):
@@ -309,7 +320,7 @@ def test_row_state_made_on_the_default_stream_is_freed_under_queued_steps(
     regrown (and the old ones freed) while a step that reads them is queued."""
 
     def on_default(self):
-        self._unrecorded = []
+        self.recorder.reset()
         return self._new_rows()
 
     monkeypatch.setattr(PipelinedRunner, "_fresh_rows", on_default)

@@ -16,6 +16,7 @@ import torch
 from sampler.sampler import Positions, Sample, Sampler
 from streams.drafting.base import Drafter
 from streams.grammar import GrammarRows
+from streams.pipeline.row_tokens import RowTokens
 from streams.plan import StepPlan
 from streams.rows import RowState, StepLayout
 
@@ -33,6 +34,7 @@ class DeviceRows:
         device: torch.device,
         seed: int | None,
         tokenizer_folder: str | None,
+        speculative: bool = False,
     ) -> None:
         self.host = RowState(block_size, max_blocks_per_row)
         rows = len(self.host.live)
@@ -40,6 +42,9 @@ class DeviceRows:
         self.tokens = torch.zeros(rows * TOKEN_WINDOW, dtype=torch.int64, device=device)
         self.sampler = Sampler(vocab_size, device, rows, seed)
         self.grammars = GrammarRows(tokenizer_folder, vocab_size)
+        # Rows that speculate keep their tokens and counts on the device too (verify steps'
+        # counts are decided there).
+        self.row_tokens = RowTokens(rows, device) if speculative else None
 
     def apply(
         self, plan: StepPlan, drafter: Drafter | None = None
@@ -56,7 +61,10 @@ class DeviceRows:
         return self.host.apply(plan, drafter)
 
     def join(self, plan: StepPlan) -> None:
-        """New rows' sampling settings to the device (called on the compute stream)."""
+        """New rows' sampling settings (and tokens) to the device (on the compute stream)."""
+        if self.row_tokens is not None:
+            self.row_tokens.fit(len(self.host.live))
+            self.row_tokens.join(plan.new_rows)
         if plan.new_rows:
             new = plan.new_rows
             self.sampler.add_rows(
@@ -69,6 +77,8 @@ class DeviceRows:
     def fit(self) -> None:
         """Grow the device tables to the host's rows (called on the compute stream)."""
         rows = len(self.host.live)
+        if self.row_tokens is not None:
+            self.row_tokens.fit(rows)
         have = self.tables.shape[0]
         if rows > have:
             self.tables = torch.cat(

@@ -17,18 +17,20 @@ change what step N, still running, reads. A slot (pinned input, device staging, 
 output) is reused only after the step that used it was finished, which bounds the pipeline
 to ``SLOTS`` steps in flight and makes every staging area safe to overwrite.
 
-Two kinds of step wait for their own tokens on the host before they return (only those lose
-the overlap): steps with structured-output rows (a row's mask depends on its last token) and
-steps that verify drafts (which tokens a row emits, and so what its next step sees, is
-decided on the host, by ``streams.verify``, the one implementation every device shares). A
-step whose rows draft first waits for every step before it: drafts are made from the rows'
-tokens, which must all be on the host.
+Speculation keeps the overlap (``streams.pipeline.speculation``): a verify step's emitted
+counts are decided on the device, a later step starts its rows where the device's counts
+end, and the n-gram drafter drafts on the device from the rows' tokens there, so neither
+waits for a token on the host. The host learns the counts with the tokens. What still waits
+for tokens on the host (only those lose the overlap): steps with structured-output rows (a
+row's mask depends on its last token), drafts made on the host (the suffix and draft-model
+drafters read every row's tokens, so such a step first waits for every step before it), and,
+where the host plans attention (torch's, not Triton's), a step whose rows' counts the host
+does not know yet.
 """
 
 from __future__ import annotations
 
 import queue
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,15 +39,16 @@ import numpy as np
 import torch
 
 from sampler.prompt_logprobs import score_positions
-from sampler.sampler import Positions, Sample
+from sampler.sampler import Positions
 from streams import cuda_kernels
 from streams.device import REPLAY_STEP, DeviceError
 from streams.drafting.base import Drafter
 from streams.pipeline import devsync
 from streams.pipeline.clock import EventClock
-from streams.pipeline.device_rows import DeviceRows, token_slots
+from streams.pipeline.device_rows import TOKEN_WINDOW, DeviceRows, token_slots
 from streams.pipeline.forward import StepForward
 from streams.pipeline.memory import kv_blocks_for
+from streams.pipeline.recording import Recorder, emitted, kept_positions
 from streams.pipeline.slots import (
     Pending,
     Slot,
@@ -54,9 +57,9 @@ from streams.pipeline.slots import (
     packed_length,
     step_sections,
 )
-from streams.plan import PromptLogprobs, StepPlan, StepResult
+from streams.pipeline.speculation import draft, resolve_starts, verify
+from streams.plan import RESOLVE, PromptLogprobs, StepPlan, StepResult
 from streams.rows import StepLayout
-from streams.verify import emitted_counts, keep_emitted
 
 SLOTS = 2  # steps in flight: N running while N+1 is queued behind it
 
@@ -100,14 +103,14 @@ class PipelinedRunner:
         self.info = {"num_blocks": num_blocks}  # told to the control plane at start
         self.kv_cache = model.allocate_kv_cache(num_blocks + 1, block_size)
         self.compute, self.h2d, self.d2h = (self.sync.stream() for _ in range(3))
+        self.recorder = Recorder()  # launched steps' tokens into the host rows, in order
         self.rows = self._fresh_rows()
         self._free: queue.Queue[Slot] = queue.Queue()
         for _ in range(SLOTS):
             self._free.put(new_slot(self.sync, self.device, 1024, 64))
-        # Launched steps whose tokens the host rows have not taken yet (a GPU's, in order).
-        self._unrecorded: list[Pending] = []
-        self._recording = threading.Lock()
         self.forward = StepForward(model, self.kv_cache, attention == "triton")
+        # Torch's attention is planned on the host, from every row's exact count of tokens.
+        self.host_plans_attention = attention != "triton"
         # Padded decode buckets pay only where a graph is captured: on a CPU they would
         # compute the padding rows for nothing (tests run them there eagerly).
         if cuda_graphs and (self.sync.graph_capable or eager_buckets):
@@ -153,13 +156,8 @@ class PipelinedRunner:
             return pending
         try:
             pending.copied.synchronize()
-            self._record_through(pending)
-            slot, count = pending.slot, pending.num_tokens
-            tokens = slot.tokens[:count].numpy().copy()
-            logprobs = top = None
-            if pending.has_logprobs:
-                logprobs = slot.logprobs[:count].tolist()
-                top = slot.top_lists(count, pending.top, pending.wanted)
+            self.recorder.through(pending, self.rows)  # a verify step's counts known from here
+            tokens, logprobs, top, drafted = emitted(pending)
             start = self.clock.to_host(pending.start)
             end = self.clock.to_host(pending.end, advance=True)
         except Exception as exc:
@@ -170,8 +168,8 @@ class PipelinedRunner:
         result = StepResult(pending.step_id, tokens, logprobs, top, start, end)
         if pending.scores is not None:
             result.prompt_logprobs = prompt_logprobs(pending.layout, pending.scores)
-        if pending.layout.verifying:
-            result.counts, result.drafted = pending.counts, pending.layout.drafted
+        if drafted is not None:
+            result.counts, result.drafted = pending.counts, drafted
         return result
 
     def replay(self, plans: list[StepPlan]) -> StepResult:
@@ -203,10 +201,14 @@ class PipelinedRunner:
         rows = self.rows
         if self._free.qsize() == SLOTS and self.clock.anchor_due():  # idle: nothing in flight
             self.clock.anchor(self.compute)
-        delta = rows.apply(plan, self.drafter)
-        if (plan.num_sampled > 1).any() and self._unrecorded:
-            self._record_through(self._unrecorded[-1])  # drafts read every row's tokens
-        layout = rows.host.layout(plan, self.drafter)
+        with self.recorder.lock:
+            delta = rows.apply(plan, self.drafter)
+        on_device = self._drafts_on_device(plan)
+        last = self.recorder.last()
+        if last is not None and self._waits_for_tokens(plan, on_device):
+            self.recorder.through(last, rows)
+        with self.recorder.lock:
+            layout = rows.host.layout(plan, self.drafter, on_device)
         if not len(plan.rows):
             with self.sync.use(self.compute):
                 rows.join(plan)
@@ -245,7 +247,9 @@ class PipelinedRunner:
             sync.event(timing=True),
             sync.event(blocking=True),
         )
-        counts = np.ones(int((layout.num_sampled > 0).sum()), np.int32)
+        runs = int((layout.num_sampled > 0).sum())
+        counts = None if layout.verifying else np.ones(runs, np.int32)
+        sampled = len(layout.sample_rows)
         with sync.step_range(f"step {plan.step_id}"), sync.use(self.compute):
             self.compute.wait_event(staged)
             start.record()
@@ -257,84 +261,106 @@ class PipelinedRunner:
             # From here a failure fails the step alone: the device's rows took the plan, as
             # the host's did (``rows.apply``), so the two agree whatever the forward does.
             self._state_applied = True
+            own = rows.row_tokens
+            width = self._width(layout)
+            if own is not None:
+                own.widen(width)
+            if layout.resolve_on_device is not None:
+                resolve_starts(dev, own, rows.tables, self.block_size, TOKEN_WINDOW, sampled)
+            drafted = None
+            if layout.verifying:
+                drafted = dev["drafted"]
+                if layout.drafts_on_device:
+                    most = int(layout.num_sampled.max()) - 1
+                    drafted = draft(dev, own, self.drafter, most, width)
             cuda_kernels.fill_placeholders(dev["input_ids"], dev["token_slots"], rows.tokens)
             logits = self.forward(layout, dev, rows)
             scores = None
             if layout.scores is not None:  # rows asking for prompt logprobs: after the sampled
-                scored = logits[len(layout.sample_index) :]
-                logits = logits[: len(layout.sample_index)]
+                scored = logits[sampled:]
+                logits = logits[:sampled]
                 top = int(layout.scores.top.max())
                 scores = score_positions(scored, dev["score_targets"], top)
             keep: tuple = ()
             wanted: list[int | None] = []
-            if len(layout.sample_rows):
+            if sampled:
                 sample = rows.sample(logits, _positions(layout, dev), layout)
                 tokens, wanted = sample.tokens, sample.wanted
                 cuda_kernels.scatter_tokens(rows.tokens, dev["sample_slots"], tokens)
+                emitted = None
+                host_rows = _host(layout.sample_rows)
                 if layout.verifying:
-                    counts, tokens, sample = self._verify(layout, sample, dev)
-                    kept = _kept(layout, counts).tolist()
-                    wanted = [w for w, k in zip(wanted, kept, strict=True) if k]
+                    emitted, kept = verify(dev, layout, tokens, drafted)
+                    rows.sampler.record(host_rows, dev["sample_rows"], tokens, kept)
+                    if rows.constrained(layout.sample_rows):
+                        counts = self._advance_grammars(layout, tokens, emitted)
                 else:
-                    rows.sampler.record(_host(layout.sample_rows), dev["sample_rows"], tokens)
-                keep = (tokens, sample.logprobs, sample.top_ids, sample.top_logprobs)
+                    rows.sampler.record(host_rows, dev["sample_rows"], tokens)
+                if own is not None:
+                    at = dev["positions"].index_select(0, dev["logits_indices"][:sampled])
+                    ones = torch.ones_like(dev["run_rows"])
+                    own.record(dev["sample_rows"], at, tokens, dev["run_rows"],
+                               ones if emitted is None else emitted)  # fmt: skip
+                keep = (tokens, sample.logprobs, sample.top_ids, sample.top_logprobs, emitted,
+                        drafted)  # fmt: skip
             end.record()
-        before = rows.host.grow(layout, counts)
-        n = int(counts.sum())
+        with self.recorder.lock:
+            rows.host.grow(layout, counts)
+            joined = rows.host.joined(layout)
         with sync.use(self.d2h):
             self.d2h.wait_event(end)
-            top = _copy_out(slot, keep, n)
+            top = _copy_out(slot, keep, sampled)
             copied.record()
         has_logprobs = bool(keep) and keep[1] is not None
         pending = Pending(
-            plan.step_id, slot, n, top, wanted, has_logprobs, start, end, copied, keep,
-            layout, counts, before, scores,
+            plan.step_id, slot, sampled, top, wanted, has_logprobs, start, end, copied, keep,
+            layout, counts, joined, scores,
         )  # fmt: skip
-        with self._recording:
-            self._unrecorded.append(pending)
+        self.recorder.launched(pending)
         if sync.serial:
-            self._record_through(pending)
+            self.recorder.through(pending, rows)
         return pending
 
-    def _verify(
-        self, layout: StepLayout, sample: Sample, dev: dict[str, torch.Tensor]
-    ) -> tuple[np.ndarray, torch.Tensor, Sample]:
-        """Which sampled tokens the rows emit (on the host: the step waits for its tokens);
-        the sampler counts only those. Returns the counts and the emitted tokens and logprobs."""
-        nsampled = layout.num_sampled[layout.num_sampled > 0]
-        targets = sample.tokens.cpu().numpy()
-        counts = emitted_counts(targets, layout.next_drafts, layout.sample_offsets, nsampled)
-        kept = _kept(layout, counts)
-        self.rows.advance_grammars(layout.sample_rows[kept], targets[kept].tolist())
-        index = torch.from_numpy(np.flatnonzero(kept)).to(sample.tokens.device)
-        tokens = sample.tokens.index_select(0, index)
-        self.rows.sampler.record(
-            _host(layout.sample_rows[kept]), dev["sample_rows"].index_select(0, index), tokens
-        )
+    def _drafts_on_device(self, plan: StepPlan) -> bool:
+        """Whether the step's drafts are made on the device: by a drafter that can, for rows
+        without a grammar (whose masks need the drafts on the host)."""
+        slots = plan.num_sampled > 1
+        if not slots.any() or not getattr(self.drafter, "drafts_on_device", False):
+            return False
+        return not self.rows.constrained(plan.rows[slots].astype(np.int64))
 
-        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.index_select(0, index)
+    def _waits_for_tokens(self, plan: StepPlan, on_device: bool) -> bool:
+        """Whether the step needs earlier steps' tokens on the host: drafts made here read
+        every drafting row's tokens, and attention planned here needs every row's count."""
+        if (plan.num_sampled > 1).any() and not on_device:
+            return True
+        if not self.host_plans_attention:
+            return False
+        with self.recorder.lock:
+            resolve = plan.rows[plan.starts == RESOLVE].astype(np.int64)
+            return bool((self.rows.host.unsettled[resolve] > 0).any())
 
-        emitted = Sample(
-            tokens, pick(sample.logprobs), pick(sample.top_ids), pick(sample.top_logprobs), []
-        )
-        return counts, tokens, emitted
+    def _width(self, layout: StepLayout) -> int:
+        """Tokens a row of the step can hold after it, at most: its blocks' positions."""
+        blocks = self.rows.host.num_blocks[layout.rows]
+        return int(blocks.max()) * self.block_size + 1 if len(blocks) else 1
 
-    def _record_through(self, pending: Pending) -> None:
-        """Take every unrecorded step up to ``pending`` into the host rows, in order (waiting
-        for their tokens): from the completer, or from a launch that drafts."""
-        with self._recording:
-            while self._unrecorded and self._unrecorded[0].step_id <= pending.step_id:
-                step = self._unrecorded.pop(0)
-                step.copied.synchronize()
-                tokens = step.slot.tokens[: step.num_tokens].numpy()
-                self.rows.host.remember(step.layout, step.before, step.counts, tokens)
+    def _advance_grammars(
+        self, layout: StepLayout, tokens: torch.Tensor, emitted: torch.Tensor
+    ) -> np.ndarray:
+        """A verify step with a structured-output row: its matchers take the emitted tokens
+        now (the step waits for them), so its counts are known at once."""
+        counts = emitted.cpu().numpy().astype(np.int32)
+        kept = kept_positions(layout, counts)
+        self.rows.advance_grammars(layout.sample_rows[kept], tokens.cpu().numpy()[kept].tolist())
+        self.rows.sampler.record_host(_host(layout.sample_rows[kept]))
+        return counts
 
     def _fresh_rows(self) -> DeviceRows:
         """Row state whose device tensors belong to the compute stream (allocated there):
         the one stream that writes and reads them, so one that is regrown or dropped is freed
         in order with the steps that still read it."""
-        self._unrecorded = []
+        self.recorder.reset()
         with self.sync.use(self.compute):
             return self._new_rows()
 
@@ -346,6 +372,7 @@ class PipelinedRunner:
             self.device,
             self.seed,
             self.tokenizer_folder,
+            speculative=self.drafter is not None,
         )
 
 
@@ -375,21 +402,20 @@ def _positions(layout: StepLayout, dev: dict[str, torch.Tensor]) -> Positions:
     if layout.verifying:
         at.offsets, at.offsets_dev = _host(layout.sample_offsets), dev["sample_offsets"]
         if len(dev["drafts_at"]):
-            at.drafts_before = (dev["drafts_at"], dev["drafts_token"])
+            at.drafts_before = (dev["drafts_at"], dev["input_ids"][dev["drafts_input"]])
     return at
 
 
-def _kept(layout: StepLayout, counts: np.ndarray) -> np.ndarray:
-    nsampled = layout.num_sampled[layout.num_sampled > 0]
-    return keep_emitted(layout.sample_offsets, nsampled, counts)
-
-
 def _copy_out(slot: Slot, keep: tuple, count: int) -> int:
-    """The emitted tokens (and logprobs) into the pinned output; the top logprobs' width."""
+    """The sampled tokens (with logprobs, and a verify step's counts) into the pinned
+    output; the top logprobs' width."""
     if not count:
         return 0
-    tokens, logprobs, top_ids, top_values = keep
+    tokens, logprobs, top_ids, top_values, counts, drafted = keep
     slot.tokens[:count].copy_(tokens, non_blocking=True)
+    if counts is not None:
+        slot.counts[: len(counts)].copy_(counts, non_blocking=True)
+        slot.drafted[: len(drafted)].copy_(drafted, non_blocking=True)
     if logprobs is not None:
         slot.logprobs[:count].copy_(logprobs, non_blocking=True)
     top = 0 if top_ids is None else top_ids.shape[1]

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from streams.pipeline.devsync import DeviceSync
+from streams.plan import DRAFT
 from streams.rows import StepLayout
 
 MAX_TOP = 20  # top logprobs a row may ask for (sampler.params.MAX_LOGPROBS)
@@ -33,9 +34,18 @@ SECTIONS = (
     "sample_rows",
     "sample_slots",
     "sample_offsets",
+    "sample_runs",
+    "run_rows",
+    "drafted",
     "score_targets",
     "drafts_at",
-    "drafts_token",
+    "drafts_input",
+    "draft_rows",
+    "draft_runs",
+    "draft_to",
+    "draft_from",
+    "starts",
+    "resolve",
     "delta_rows",
     "delta_cols",
     "delta_blocks",
@@ -51,10 +61,15 @@ def step_sections(
     ``token_slots(rows, positions)``: where the token buffer keeps a row's token at a position."""
     at = layout.sample_index
     empty = np.zeros(0, np.int64)
-    offsets, drafts_at, drafts_token = empty, empty, empty
+    sampled = layout.num_sampled > 0
+    offsets, runs, drafted, drafts_at, drafts_input = empty, empty, empty, empty, empty
     if layout.verifying:
-        offsets = layout.sample_offsets
-        drafts_at, drafts_token = _drafts_before(layout)
+        offsets, drafted = layout.sample_offsets, layout.drafted
+        runs = np.repeat(np.arange(len(drafted)), layout.num_sampled[sampled])
+        drafts_at, drafts_input = _drafts_before(layout)
+    starts = resolve = empty
+    if layout.resolve_on_device is not None:
+        starts, resolve = layout.starts, layout.resolve_on_device
     return {
         "input_ids": layout.input_ids,
         "token_slots": token_slots(layout.token_rows, layout.positions),
@@ -73,8 +88,14 @@ def step_sections(
         # A sampled token is the row's token at the position after its input's.
         "sample_slots": token_slots(layout.sample_rows, layout.positions[at] + 1),
         "sample_offsets": offsets,
+        "sample_runs": runs,
+        "run_rows": layout.rows[sampled],
+        "drafted": drafted,
         "drafts_at": drafts_at,
-        "drafts_token": drafts_token,
+        "drafts_input": drafts_input,
+        **_device_drafts(layout),
+        "starts": starts,
+        "resolve": resolve,
         "delta_rows": delta[0],
         "delta_cols": delta[1],
         "delta_blocks": delta[2],
@@ -91,18 +112,39 @@ def _aligned(n: int) -> int:
 
 
 def _drafts_before(layout: StepLayout) -> tuple[np.ndarray, np.ndarray]:
-    """(sampled position, draft) for every draft that precedes a sampled position in its
-    row's run: penalties count it there, as decoding would have by then."""
-    pairs_at, pairs_token = [], []
-    index, ids = layout.sample_index, layout.input_ids
+    """(sampled position, input) for every draft that precedes a sampled position in its
+    row's run: penalties count it there, as decoding would have by then (the input's token
+    is read on the device, where the drafts may be made)."""
+    pairs_at, pairs_input = [], []
+    index = layout.sample_index
     runs = layout.num_sampled[layout.num_sampled > 0].tolist()
     firsts = np.flatnonzero(layout.sample_offsets == 0).tolist()
     for first, n in zip(firsts, runs, strict=True):
         for j in range(1, n):  # position first + j follows the drafts at inputs 1..j
             for i in range(1, j + 1):
                 pairs_at.append(first + j)
-                pairs_token.append(int(ids[index[first] + i]))
-    return np.array(pairs_at, np.int64), np.array(pairs_token, np.int64)
+                pairs_input.append(int(index[first] + i))
+    return np.array(pairs_at, np.int64), np.array(pairs_input, np.int64)
+
+
+def _device_drafts(layout: StepLayout) -> dict[str, np.ndarray]:
+    """Where the device's drafter works: the drafting rows, each one's run among the sampled
+    rows, the DRAFT inputs, and for each the flat index of its draft in the drafter's
+    [rows, most slots] output."""
+    empty = np.zeros(0, np.int64)
+    if not layout.drafts_on_device:
+        return {"draft_rows": empty, "draft_runs": empty, "draft_to": empty, "draft_from": empty}
+    slots = layout.num_sampled[layout.num_sampled > 0] - 1
+    drafting = np.flatnonzero(slots > 0)
+    counts = slots[drafting]
+    first = np.cumsum(counts) - counts
+    within = np.arange(int(counts.sum())) - np.repeat(first, counts)
+    return {
+        "draft_rows": layout.rows[layout.num_sampled > 0][drafting],
+        "draft_runs": drafting,
+        "draft_to": np.flatnonzero(layout.input_ids == DRAFT),
+        "draft_from": np.repeat(np.arange(len(drafting)) * int(counts.max()), counts) + within,
+    }
 
 
 @dataclass(slots=True)
@@ -112,6 +154,8 @@ class Slot:
     host_in: torch.Tensor  # pinned int64: the packed sections
     dev_in: torch.Tensor  # the device's copy of it
     tokens: torch.Tensor  # pinned int64 [S]
+    counts: torch.Tensor  # pinned int64 [S]: tokens each sampled row emits (a verify step)
+    drafted: torch.Tensor  # pinned int64 [S]: drafts each sampled row verified
     logprobs: torch.Tensor  # pinned float32 [S]
     top_ids: torch.Tensor  # pinned int64 [S * MAX_TOP]
     top_values: torch.Tensor  # pinned float32 [S * MAX_TOP]
@@ -146,17 +190,19 @@ class Pending:
 
     step_id: int
     slot: Slot
-    num_tokens: int  # tokens the step emits, copied out
+    num_tokens: int  # tokens copied out: every sampled position's
     top: int  # top logprobs copied per token
-    wanted: list[int | None]  # each emitted token's row's logprobs setting
+    wanted: list[int | None]  # each sampled position's row's logprobs setting
     has_logprobs: bool
     start: Any  # events: compute began the step, sampling ended, tokens reached the host
     end: Any
     copied: Any
     keep: tuple  # device tensors the D2H copy reads: alive until it is done
     layout: StepLayout
-    counts: np.ndarray  # int32: tokens each sampled row emits
-    before: np.ndarray  # int64: each sampled row's token count before the step
+    # int32: tokens each sampled row emits; None where the device decided them (a verify
+    # step: they come back in the slot with the tokens)
+    counts: np.ndarray | None
+    joined: np.ndarray  # the requests its sampled rows held (``RowState.joined``)
     # Prompt logprobs the step scored (device tensors: logprob, rank, top ids, top logprobs).
     scores: tuple | None = None
 
@@ -170,6 +216,8 @@ def new_slot(sync: DeviceSync, device: torch.device, ints: int, sampled: int) ->
         # thread's stream could land after the H2D stream's copy into it.
         dev_in=torch.empty(ints, dtype=torch.int64, device=device),
         tokens=pin(sampled, torch.int64),
+        counts=pin(sampled, torch.int64),
+        drafted=pin(sampled, torch.int64),
         logprobs=pin(sampled, torch.float32),
         top_ids=pin(sampled * MAX_TOP, torch.int64),
         top_values=pin(sampled * MAX_TOP, torch.float32),
