@@ -144,4 +144,7 @@ def test_int8_gemm_refuses_bad_values(monkeypatch) -> None:
         int8_gemm()
     monkeypatch.setenv(quantization.GEMM_ENV, "auto")
     monkeypatch.setenv("ASYNC_ENGINE_CPU_ISA", "avx2")
-    assert int8_gemm() == "onednn"  # auto falls back where the kernel cannot be built
+    # Auto falls back where the kernel cannot be built, on a CPU where oneDNN is exact (on
+    # one without an int8 dot product it refuses: tests/test_quantization.py).
+    monkeypatch.setattr(quantization, "_has_int8_dot", lambda: True)
+    assert int8_gemm() == "onednn"

@@ -16,6 +16,7 @@ from async_engine.bench.int8_quality import forced_logits
 from async_engine.cli.options import add_engine_args, engine_options
 from async_engine.core.config import EngineConfig
 from async_engine.model import LlamaModel, build_model, int8_kernels, load_model_config
+from async_engine.model import quantization as quant
 from async_engine.model.int8_calibration import activation_absmax
 from async_engine.model.quantization import (
     QUANTIZED,
@@ -25,17 +26,31 @@ from async_engine.model.quantization import (
 )
 
 DTYPES = [torch.float32, torch.bfloat16]
+# oneDNN's int8 is exact only with an int8 dot product instruction: without one its u8 x s8
+# pairs saturate in int16, so the engine never runs it there (the AVX2 kernels do).
+ONEDNN_INEXACT = "oneDNN's int8 saturates on a CPU without an int8 dot product instruction"
 
 
 @pytest.fixture(params=["kernel", "torch"])
 def kernels(request, monkeypatch) -> str:
     """Each test twice: with the compiled loops, and with the torch ops a machine without a
-    compiler runs."""
+    compiler runs (where the CPU has an int8 dot product: without one such a machine is
+    refused int8, see the test below)."""
     if request.param == "torch":
+        if not quant._has_int8_dot():
+            pytest.skip(ONEDNN_INEXACT)
         monkeypatch.setattr(int8_kernels, "library", lambda: None)
     elif int8_kernels.library() is None:
         pytest.skip("no C++ compiler for the int8 kernels")
     return request.param
+
+
+def test_int8_without_a_dot_product_or_the_avx2_kernels_is_refused_at_start(monkeypatch):
+    monkeypatch.setattr(quant, "_has_int8_dot", lambda: False)
+    monkeypatch.setattr(int8_kernels, "has_matmul_avx2", lambda: False)
+    monkeypatch.delenv(quant.GEMM_ENV, raising=False)
+    with pytest.raises(ValueError, match="int8 dot product instruction"):
+        quant.check_quantization("int8")
 
 
 def activations(rows: int, cols: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -148,6 +163,8 @@ def test_tiny_model_int8_logits_stay_close_to_float32(
 ) -> None:
     if gemm == "avx2" and not int8_kernels.has_matmul_avx2():
         pytest.skip("no int8 kernels for AVX2 here")
+    if gemm == "onednn" and not quant._has_int8_dot():
+        pytest.skip(ONEDNN_INEXACT)
     monkeypatch.setenv("ASYNC_ENGINE_INT8_GEMM", gemm)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (9, 23, 40)]

@@ -57,6 +57,8 @@ def check_quantization(quantization: str, device: str = "cpu") -> None:
         raise ValueError(f"quantization int8 runs on the CPU device only, not {device!r}")
     if quantization == "int8" and not torch.backends.mkldnn.is_available():
         raise ValueError("quantization int8 needs torch with oneDNN (an x86 CPU build)")
+    if quantization == "int8":
+        int8_gemm()  # a CPU it cannot run exactly on is refused here, at start
 
 
 @functools.cache
@@ -78,6 +80,12 @@ def int8_gemm() -> str:
         raise ValueError(f"{GEMM_ENV}=avx2 needs the int8 kernels built for a CPU with AVX2")
     if value != "auto":
         return value
+    if not _has_int8_dot() and not int8_kernels.has_matmul_avx2():
+        raise ValueError(
+            "quantization int8 on a CPU without an int8 dot product instruction (AVX512-VNNI, "
+            "AVX-VNNI or AMX-INT8) needs the AVX2 int8 kernels, built at start with a C++ "
+            "compiler (none could be built here): oneDNN's int8 saturates on such a CPU"
+        )
     avx2_cpu = os.environ.get("ASYNC_ENGINE_CPU_ISA") == "avx2" or not _has_int8_dot()
     return "avx2" if avx2_cpu and int8_kernels.has_matmul_avx2() else "onednn"
 
