@@ -182,6 +182,39 @@ def test_a_verified_run_grows_the_row_and_its_history():
     assert rows.length[0] == 8 and rows.history[0, :8].tolist() == [1, 2, 3, 4, 5, 6, 7, 11]
 
 
+def test_a_row_whose_verify_step_is_in_flight_is_laid_out_for_the_device_to_move():
+    """Launched, a verify step's row holds at least one token more; a step after it, laid
+    out before its count comes back, starts there and is flagged for the device (which
+    knows the count); the count settles the row and its tokens join its history."""
+    rows, plan = verifying_row()
+    layout = rows.layout(plan, drafts_on_device=True)
+    assert layout.drafts_on_device and layout.input_ids.tolist()[1:] == [DRAFT] * 3
+    rows.grow(layout)  # counts decided on the device
+    assert rows.length[0] == 6 and rows.unsettled[0] == 1
+    after = StepPlan(2, int32s([0]), int32s([RESOLVE]), int32s([1]), int32s([1]),
+                     int64s([PLACEHOLDER]))  # fmt: skip
+    moved = rows.layout(after)
+    assert moved.starts.tolist() == [5] and moved.resolve_on_device.tolist() == [True]
+    rows.settle(layout, int32s([3]), rows.joined(layout))
+    rows.remember(layout, int32s([3]), np.array([6, 7, 11]))
+    assert rows.length[0] == 8 and rows.unsettled[0] == 0
+    assert rows.history[0, :8].tolist() == [1, 2, 3, 4, 5, 6, 7, 11]
+    assert rows.layout(after).resolve_on_device is None and rows.layout(after).starts[0] == 7
+
+
+def test_a_row_taken_by_another_request_ignores_the_last_ones_late_counts():
+    rows, plan = verifying_row()
+    layout = rows.layout(plan, drafts_on_device=True)
+    rows.grow(layout)
+    joined = rows.joined(layout)
+    rows.apply(StepPlan(2, *(int32s([]),) * 4, int64s([]), released_rows=int32s([0]),
+                        new_rows=[NewRow(0, None, [9, 9], [])]))  # fmt: skip
+    rows.settle(layout, int32s([3]), joined)
+    rows.remember(layout, int32s([3]), np.array([6, 7, 11]), joined)
+    assert rows.length[0] == 2 and rows.unsettled[0] == 0
+    assert rows.known[0] == 2 and rows.history[0, :2].tolist() == [9, 9]
+
+
 def test_a_row_emits_its_longest_run_that_equals_the_drafts_plus_one():
     #   row 0: 3 drafts, sampled [6, 7, 9, 4] against drafts [6, 7, 8]: 6, 7 kept, 9 replaces 8
     #   row 1: no drafts; row 2: 2 drafts, the first wrong

@@ -10,6 +10,7 @@ reads them in order.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from streams.plan import NewRow
@@ -25,14 +26,14 @@ class RowTokens:
         """New rows hold their prompts (on the compute stream)."""
         if not new_rows:
             return
-        longest = max(len(n.prompt_ids) for n in new_rows)
-        self.widen(longest + 1)
-        rows = [n.row for n in new_rows]
-        lengths = [len(n.prompt_ids) for n in new_rows]
-        flat = [t for n in new_rows for t in n.prompt_ids]
-        at = [n.row * self.history.shape[1] + i for n in new_rows for i in range(len(n.prompt_ids))]
+        lengths = np.array([len(n.prompt_ids) for n in new_rows], np.int64)
+        self.widen(int(lengths.max()) + 1)
+        rows = np.array([n.row for n in new_rows], np.int64)
+        flat = np.concatenate([np.asarray(n.prompt_ids, np.int64) for n in new_rows])
+        within = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        at = np.repeat(rows, lengths) * self.history.shape[1] + within
         packed = _to_device(
-            torch.tensor(rows + lengths + flat + at, dtype=torch.int64), self.device
+            torch.from_numpy(np.concatenate([rows, lengths, flat, at])), self.device
         )
         n, m = len(rows), len(flat)
         self.length.index_copy_(0, packed[:n], packed[n : 2 * n])
