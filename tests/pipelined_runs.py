@@ -83,6 +83,18 @@ class DeviceLookahead(LookaheadDrafter):
     def __init__(self, reference: RecomputeRunner) -> None:
         super().__init__(reference)
         self.proposals: list[np.ndarray] = []
+        self.host_steps = 0  # steps the runner drafted for on the host
+
+    def propose(self, rows: list[int], tokens: list, ks: list[int]) -> list[np.ndarray]:
+        self.host_steps += 1
+        return super().propose(rows, tokens, ks)
+
+    def one(self, row: int, k: int) -> np.ndarray:
+        """A proposal, kept for the reference to replay: the runner drafts here (on the
+        host) for a step that waits for its rows' tokens anyway."""
+        proposal = super().one(row, k)
+        self.proposals.append(proposal)
+        return proposal
 
     def propose_on_device(self, history: torch.Tensor, lengths: torch.Tensor, k: int):
         drafts = torch.zeros(len(lengths), k, dtype=torch.int64)
@@ -91,7 +103,6 @@ class DeviceLookahead(LookaheadDrafter):
             tokens = history[v, :n].tolist()
             row = next(r for r, t in self.reference.tokens.items() if t == tokens)
             proposal = self.one(row, k)
-            self.proposals.append(proposal)
             drafts[v, : len(proposal)] = torch.from_numpy(proposal)
             found[v] = len(proposal)
         return drafts.to(history.device), found.to(history.device)

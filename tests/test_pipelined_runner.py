@@ -75,17 +75,36 @@ def test_two_steps_in_flight_give_the_references_tokens(tiny, seed):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_rows_drafting_on_the_device_emit_what_one_token_at_a_time_decoding_emits(tiny, seed):
+def test_rows_drafting_on_the_device_emit_what_one_token_at_a_time_decoding_emits(
+    tiny, seed, deferred
+):
     """Drafts made inside the step from the device's copy of the rows' tokens, verified
-    there: runs of every length kept, two steps in flight."""
+    there: runs of every length kept, two steps in flight. (Attention planned on the host
+    waits for a verify step's counts: a step after one drafts on the host instead.)"""
     expected, got, runner = walk_device_drafts(tiny, seed, steps=60, cuda_graphs=False)
     runs = [c for r in expected for c in r.emitted(0).tolist()]
     assert max(runs) == 5 and 1 in runs
+    assert sum(deferred) > 0 and runner.drafter.host_steps > 0
     assert_same_results(expected, got)
     assert runner.rows.host.unsettled.sum() == 0  # every count came back
 
 
-def test_the_ngram_drafter_on_the_device_drafts_what_its_numpy_twin_drafts(tiny):
+def test_the_ngram_drafter_on_the_device_drafts_what_its_numpy_twin_drafts(tiny, deferred):
+    expected, got, _ = walk_device_drafts(tiny, 0, steps=60, ngram=True, cuda_graphs=False)
+    assert sum(deferred) > 0
+    assert sum(int(r.drafted.sum()) for r in got if r.drafted is not None) > 20
+    assert_same_results(expected, got)
+
+
+def test_a_serial_device_drafts_on_the_host(tiny, monkeypatch):
+    """On the serial twin (a CPU) the rows' tokens are on the host at launch: drafts are made
+    there, as many as each row's match found (the device's would fill every slot)."""
+    from streams.pipeline import runner
+
+    def on_device(*args):
+        raise AssertionError("drafted on the device")
+
+    monkeypatch.setattr(runner, "draft", on_device)
     expected, got, _ = walk_device_drafts(tiny, 0, steps=60, ngram=True, cuda_graphs=False)
     assert sum(int(r.drafted.sum()) for r in got if r.drafted is not None) > 20
     assert_same_results(expected, got)
@@ -283,19 +302,36 @@ class DeferredSync(DeviceSync):
     serial = False
 
 
+@pytest.fixture
+def deferred(monkeypatch) -> list[int]:
+    """Runners made in the test on ``DeferredSync`` (where drafting on the device spares a
+    wait: on the serial twin the host has the tokens at once and drafts itself); the rows
+    each step drafted for on the device, into the list."""
+    from streams.pipeline import devsync, runner
+
+    monkeypatch.setattr(devsync, "for_device", lambda device: DeferredSync(torch.device(device)))
+    drafted, draft = [], runner.draft
+
+    def counted(dev, *args):
+        drafted.append(int(dev["draft_rows"].numel()))
+        return draft(dev, *args)
+
+    monkeypatch.setattr(runner, "draft", counted)
+    return drafted
+
+
 @pytest.mark.parametrize("buckets", [False, True], ids=["varlen", "verify-buckets"])
 def test_rows_whose_counts_the_host_lacks_start_where_the_devices_counts_end(
-    tiny, monkeypatch, buckets
+    tiny, monkeypatch, deferred, buckets
 ):
     """Two steps in flight, drafts made and verified on the device, Triton's attention (planned
     on the device): a row's next step is laid out before its verify step's counts reach the
     host, and the device moves it to where its verified run ended."""
     if interpreted_kernels is None:
         pytest.skip(NO_INTERPRETER)
-    from streams.pipeline import devsync, runner
+    from streams.pipeline import runner
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(devsync, "for_device", lambda device: DeferredSync(torch.device(device)))
     resolved, resolve = [], runner.resolve_starts
 
     def counted(dev, *args):
@@ -306,8 +342,8 @@ def test_rows_whose_counts_the_host_lacks_start_where_the_devices_counts_end(
     options = {"attention": "triton", "graph_max_batch": 8}
     if buckets:
         options |= {"cuda_graphs": True, "eager_buckets": True, "graph_tokens_per_row": 5}
-    expected, got, _ = walk_device_drafts(tiny, 2, steps=30, block=16, **options)
-    assert sum(resolved) >= 10
+    expected, got, pipelined = walk_device_drafts(tiny, 2, steps=30, block=16, **options)
+    assert sum(resolved) >= 10 and pipelined.drafter.host_steps == 0
     assert max(c for r in expected for c in r.emitted(0).tolist()) > 2
     assert_same_results(expected, got)
 

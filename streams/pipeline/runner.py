@@ -203,9 +203,15 @@ class PipelinedRunner:
             self.clock.anchor(self.compute)
         with self.recorder.lock:
             delta = rows.apply(plan, self.drafter)
-        on_device = self._drafts_on_device(plan)
+        # Drafting on the device spares the host a wait for earlier tokens, at a price: its
+        # drafts are of fixed length, found or not. Where the tokens are here anyway (a
+        # serial device, a CPU) or the step waits for them all the same, drafts made here
+        # are as long as each row's match and rows without one verify nothing.
+        resolve_waits = self._resolve_waits(plan)
+        on_device = not (self.sync.serial or resolve_waits) and self._drafts_on_device(plan)
+        drafts_here = bool((plan.num_sampled > 1).any()) and not on_device
         last = self.recorder.last()
-        if last is not None and self._waits_for_tokens(plan, on_device):
+        if last is not None and (resolve_waits or drafts_here):
             self.recorder.through(last, rows)
         with self.recorder.lock:
             layout = rows.host.layout(plan, self.drafter, on_device)
@@ -329,11 +335,9 @@ class PipelinedRunner:
             return False
         return not self.rows.constrained(plan.rows[slots].astype(np.int64))
 
-    def _waits_for_tokens(self, plan: StepPlan, on_device: bool) -> bool:
-        """Whether the step needs earlier steps' tokens on the host: drafts made here read
-        every drafting row's tokens, and attention planned here needs every row's count."""
-        if (plan.num_sampled > 1).any() and not on_device:
-            return True
+    def _resolve_waits(self, plan: StepPlan) -> bool:
+        """Whether the step needs earlier steps' counts on the host: attention planned here
+        needs every row's length, and a verify step leaves its rows' lengths to the device."""
         if not self.host_plans_attention:
             return False
         with self.recorder.lock:
