@@ -10,6 +10,7 @@ import pytest
 from async_engine.core.request import Request
 from async_engine.core.row_table import RowTable
 from async_engine.core.speculation import Speculation
+from async_engine.core.speculation_gate import EXPLORE, MAX_EXPLORE
 from async_engine.core.step_times import StepTimes
 from sampler.params import SamplingParams
 from streams.drafting.config import SpeculativeConfig
@@ -160,6 +161,36 @@ def test_slots_are_refused_where_the_gate_measured_speculating_steps_slower():
         spec.observe(plan, result, now)
     assert spec.slots(rows, 0).tolist() == [0] * 4
     assert spec.stats.gated_steps > 0
+
+
+def test_slots_priced_by_one_slow_step_are_probed_until_the_clock_learns_their_cost():
+    table, rows = table_of(1)
+    clock = times({1: 0.040, 256: 0.5})  # batch 1 on a CPU: 4 more tokens cost ~1 ms
+    clock.observe(2, 0.2)  # but the one 2-token step seen was a new shape's slow first run
+    spec = speculation(table, clock)
+    granted = []
+    for step in range(EXPLORE + 64):
+        slots = int(spec.slots(rows, step)[0])
+        granted.append(slots)
+        clock.observe(1 + slots, 0.040 + 0.00025 * slots)
+    assert granted[: EXPLORE - 1] == [0] * (EXPLORE - 1)  # the slow step's price stands...
+    assert granted[EXPLORE - 1] == 4  # ...until a probe measures a step with every slot
+    assert sum(s == 4 for s in granted[EXPLORE:]) >= 48  # then the slot model grants them
+
+
+def test_where_slots_cost_what_they_yield_probes_grow_rarer():
+    table, rows = table_of(8)
+    clock = times(LINEAR)
+    spec = speculation(table, clock)
+    probes = []
+    for step in range(8 * MAX_EXPLORE):
+        slots = spec.slots(rows, step)
+        if slots.any():
+            probes.append(step)
+        clock.observe(8 + int(slots.sum()), 0.001 * (8 + int(slots.sum())))
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps[:3] == [2 * EXPLORE, 4 * EXPLORE, MAX_EXPLORE]
+    assert set(gaps[3:]) == {MAX_EXPLORE}
 
 
 def decoding_scheduler(*waiting_prompts: int, max_seqs: int = 8) -> StepPlan:

@@ -17,7 +17,11 @@ CPU batch) they cost as much as any token and speculation stops for the step. Ea
 acceptance is its own count of kept drafts, shrunk toward the engine-wide rate while it has
 few (a Beta prior of ``PRIOR_DRAFTS`` drafts). What the step clock cannot see (the host's
 drafting and the verify step's wait for tokens) the gate (core/speculation_gate.py) measures:
-it turns slots off for a batch size where speculating steps emit fewer tokens a second.
+it turns slots off for a batch size where speculating steps emit fewer tokens a second. And
+where the slot model refuses every slot, the gate probes now and then (every slot granted):
+the step clock learns the time of a step of n + m tokens only from such steps, so a price
+that rests on one slow step of that size (a new shape's first run on a CPU) would otherwise
+stand for good.
 """
 
 from __future__ import annotations
@@ -89,9 +93,12 @@ class Speculation:
         rates = self._rates(rows)
         rates = np.where(allowed, rates, 0.0)
         slots = self._worth(rates, len(rows))
+        probe = not slots.any() and self.gate.probes(len(rows), step_id)
+        if probe:
+            slots = np.where(allowed, k, 0)
         if spare is not None and slots.sum() > spare:
             slots = _most_worth(slots, rates, spare)
-        if slots.any() and not self.gate.allows(len(rows), step_id):
+        if slots.any() and not probe and not self.gate.allows(len(rows), step_id):
             self.stats.gated_steps += 1
             return np.zeros(len(rows), np.int64)
         return slots

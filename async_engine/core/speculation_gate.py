@@ -19,7 +19,8 @@ favoured mode brings them back to every ``EXPLORE``, so a few tries close togeth
 the favour.
 A try costs what the losing mode loses a step (a verify step that waits for its tokens can
 cost two plain ones on a fast device), so a fixed one in 16 would cost a few per cent for
-good; backing off keeps it under one.
+good; backing off keeps it under one. Steps the slot model granted no slots are probed on
+the same schedule (``probes``): its price of a slot may rest on a step size measured once.
 
 Only the steps the gate decided are rated: those the slot model granted slots, so that
 either mode could run them. A step with no choice (prompt tokens filled its budget, or no
@@ -38,7 +39,7 @@ longer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from streams.plan import StepPlan, StepResult
 
@@ -68,12 +69,31 @@ class ModeRate:
 
 
 @dataclass(slots=True)
+class Backoff:
+    """Every ``every``-th call is due; each due call doubles ``every``, up to ``MAX_EXPLORE``."""
+
+    every: int = EXPLORE
+    since: int = 0
+
+    def due(self) -> bool:
+        self.since += 1
+        if self.since < self.every:
+            return False
+        self.since = 0
+        self.every = min(2 * self.every, MAX_EXPLORE)
+        return True
+
+    def reset(self) -> None:
+        self.every, self.since = EXPLORE, 0
+
+
+@dataclass(slots=True)
 class BatchClass:
     speculating: ModeRate
     plain: ModeRate
     decisions: int = 0
-    explore_every: int = EXPLORE  # steps from one try of the mode not in favour to the next
-    since_explore: int = 0
+    tries: Backoff = field(default_factory=Backoff)  # of the mode not in favour
+    probes: Backoff = field(default_factory=Backoff)  # of slots the slot model refused
 
     def favours_speculation(self) -> bool:
         return self.speculating.tokens_per_second >= self.plain.tokens_per_second
@@ -81,15 +101,6 @@ class BatchClass:
     def learning(self) -> bool:
         """Whether either mode has too few steps measured to be rated."""
         return min(self.speculating.samples, self.plain.samples) < MIN_SAMPLES
-
-    def explores(self) -> bool:
-        """Whether this step tries the mode not in favour; each try makes the next rarer."""
-        self.since_explore += 1
-        if self.since_explore < self.explore_every:
-            return False
-        self.since_explore = 0
-        self.explore_every = min(2 * self.explore_every, MAX_EXPLORE)
-        return True
 
     def add(self, speculating: bool, tokens_a_row: float, seconds: float) -> None:
         """A step's measure; a try of the mode not in favour that beat the favoured mode's
@@ -100,7 +111,7 @@ class BatchClass:
         )
         if not self.learning() and self.favours_speculation() != speculating:
             if tokens_a_row / seconds > other.tokens_per_second:
-                self.explore_every = EXPLORE
+                self.tries.reset()
         mode.add(tokens_a_row, seconds)
 
 
@@ -114,9 +125,23 @@ class SpeculationGate:
     def allows(self, num_rows: int, step_id: int) -> bool:
         """Whether step ``step_id``, of ``num_rows`` decoding rows that the slot model would
         give draft slots, should speculate."""
-        allow = self._decide(self._class(num_rows))
+        cls = self._class(num_rows)
+        cls.probes.reset()
+        allow = self._decide(cls)
         self._decided[step_id] = allow
         return allow
+
+    def probes(self, num_rows: int, step_id: int) -> bool:
+        """Whether step ``step_id``, of ``num_rows`` decoding rows that the slot model gave no
+        slots, should speculate all the same. The slot model prices slots by the step clock,
+        which learns a step size only from steps of that size: one slow step of a size
+        (a new shape's first run) and slots refused for it are never measured again. A
+        probe measures them, then the next after ``EXPLORE`` refused steps, then twice as
+        many, up to ``MAX_EXPLORE``; it is rated like any speculating step."""
+        if not self._class(num_rows).probes.due():
+            return False
+        self._decided[step_id] = True
+        return True
 
     def _decide(self, cls: BatchClass) -> bool:
         cls.decisions += 1
@@ -125,7 +150,7 @@ class SpeculationGate:
             allow = cls.decisions % LEARN_EVERY != 0
         else:
             favoured = cls.favours_speculation()
-            allow = favoured != cls.explores()
+            allow = favoured != cls.tries.due()
         if not allow:
             self.turned_off_steps += 1
         return allow
