@@ -195,3 +195,19 @@ def test_each_step_is_rated_in_the_mode_the_gate_decided_for_it():
     now = _mixed_step(gate, now, speculate=False, prompt=0)
     cls = gate.classes[3]
     assert (cls.speculating.samples, cls.plain.samples) == (4, 1)
+
+
+def test_steps_the_slot_model_refused_are_probed_on_the_try_schedule():
+    gate = SpeculationGate()
+    due = [step for step in range(1, 4 * EXPLORE) if gate.probes(8, step)]
+    assert due == [EXPLORE, 3 * EXPLORE]  # after 16 refused steps, then 32 more
+
+
+def test_probes_start_over_once_the_slot_model_grants_slots_again():
+    gate = SpeculationGate()
+    for step in range(1, 4 * EXPLORE):
+        gate.probes(8, step)  # probes every 16, then 32 refused steps
+    gate.allows(8, 100)
+    assert [step for step in range(200, 200 + EXPLORE) if gate.probes(8, step)] == [
+        200 + EXPLORE - 1
+    ]
