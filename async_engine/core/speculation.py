@@ -93,14 +93,15 @@ class Speculation:
         rates = self._rates(rows)
         rates = np.where(allowed, rates, 0.0)
         slots = self._worth(rates, len(rows))
-        probe = not slots.any() and self.gate.probes(len(rows), step_id)
-        if probe:
+        if not slots.any():
+            if not self.gate.probes(len(rows), step_id):
+                return slots
             slots = np.where(allowed, k, 0)
-        if spare is not None and slots.sum() > spare:
-            slots = _most_worth(slots, rates, spare)
-        if slots.any() and not probe and not self.gate.allows(len(rows), step_id):
+        elif not self.gate.allows(len(rows), step_id):
             self.stats.gated_steps += 1
             return np.zeros(len(rows), np.int64)
+        if spare is not None and slots.sum() > spare:
+            slots = _most_worth(slots, rates, spare)  # spare > 0: some slot is kept
         return slots
 
     def _rates(self, rows: np.ndarray) -> np.ndarray:

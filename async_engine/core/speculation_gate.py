@@ -133,11 +133,8 @@ class SpeculationGate:
 
     def probes(self, num_rows: int, step_id: int) -> bool:
         """Whether step ``step_id``, of ``num_rows`` decoding rows that the slot model gave no
-        slots, should speculate all the same. The slot model prices slots by the step clock,
-        which learns a step size only from steps of that size: one slow step of a size
-        (a new shape's first run) and slots refused for it are never measured again. A
-        probe measures them, then the next after ``EXPLORE`` refused steps, then twice as
-        many, up to ``MAX_EXPLORE``; it is rated like any speculating step."""
+        slots, should speculate all the same (why: core/speculation.py); on the tries'
+        schedule, rated like any speculating step."""
         if not self._class(num_rows).probes.due():
             return False
         self._decided[step_id] = True
