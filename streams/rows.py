@@ -52,8 +52,9 @@ class StepLayout:
 
     @property
     def verifying(self) -> bool:
-        """Whether any row verifies drafts (only then may a row emit other than one token)."""
-        return bool(self.drafted.any())
+        """Whether any row verifies drafts (only then may a row emit other than one token),
+        or slots for drafts the device makes, which it may find none of."""
+        return bool((self.num_sampled > 1).any())
 
     @property
     def num_tokens(self) -> int:
@@ -306,6 +307,36 @@ class RowState:
         pieces.append(ids[at:])
         cut = slots - filled
         return np.concatenate(pieces), qlens - cut, nsampled - cut, filled[nsampled > 0]
+
+    def fill_device_drafts(self, layout: StepLayout, drafter: Drafter) -> None:
+        """In place: what a device drafter does inside a step (``pipeline.speculation.draft``),
+        for a device whose rows' tokens are all here (the simulated one). Each row's DRAFT
+        inputs take ``drafter.propose``'s tokens and the rest of its slots a filler: a device
+        verifies every slot it was given, found or not, and cuts the row's run where its
+        drafts end (``drafted``: the drafts found)."""
+        slots = layout.num_sampled - 1
+        verifying = np.flatnonzero(slots > 0)
+        if not len(verifying):
+            return
+        ends = np.cumsum(layout.query_lens)
+        rows = layout.rows[verifying]
+        proposed = drafter.propose(
+            rows.tolist(),
+            [self.history[row, : self.known[row]] for row in rows.tolist()],
+            slots[verifying].tolist(),
+        )
+        ids, found = layout.input_ids, np.zeros(len(layout.rows), np.int64)
+        for i, drafts in zip(verifying.tolist(), proposed, strict=True):
+            k, end = int(slots[i]), int(ends[i])
+            drafts = np.asarray(drafts, np.int64)[:k]
+            ids[end - k : end] = 0
+            ids[end - k : end - k + len(drafts)] = drafts
+            found[i] = len(drafts)
+        sampled = layout.num_sampled > 0
+        layout.drafted = found[sampled].astype(np.int32)
+        runs = np.repeat(layout.drafted, layout.num_sampled[sampled])
+        following = ids[np.minimum(layout.sample_index + 1, len(ids) - 1)]
+        layout.next_drafts = np.where(layout.sample_offsets < runs, following, -1)
 
     # --------------------------------------------------------------- results
     def placeholder_tokens(self, layout: StepLayout) -> np.ndarray:

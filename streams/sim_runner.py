@@ -1,9 +1,10 @@
 """The simulated device's runner: the real row bookkeeping, a modelled step time, oracle tokens.
 
 It applies every plan to the same ``RowState`` the model runner keeps (so a protocol bug
-shows up here too), computes the oracle's token at each sampled position, verifies drafts
-as the model runner does, then lets the step end when the cost model says. Its busy span
-is exactly the modelled time.
+shows up here too), computes the oracle's token at each sampled position, drafts and
+verifies as the model runner on a GPU does (a device drafter over every slot granted, any
+other drafter on the host after the step before), then lets the step end when the cost
+model says. Its busy span is exactly the modelled time.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ from streams.rows import RowState, StepLayout
 from streams.sim import CostModel, PreciseClock, request_seed, sim_tokens, text_seed
 from streams.sim_text import RepeatingText
 from streams.verify import emitted_counts, keep_emitted
+
+# A step that waits for the step before on a GPU: that step's tokens read back (an event
+# wait and a small copy) and this one's inputs copied and its graph launched. An estimate
+# (tens of microseconds each way), beside the host's own layout and drafting, measured.
+HOST_HANDOFF_S = 40e-6
 
 
 @dataclass(slots=True)
@@ -62,16 +68,20 @@ class SimRunner:
         """Run ``plan``'s bookkeeping now; its modelled time runs from ``arrived_at`` (when
         its bytes came in) or the end of the step before, whichever is later. Like a GPU
         behind a host thread that decodes plans and encodes results while the device
-        computes, the device loop's own work in between is host work, not device time."""
+        computes, the device loop's own work in between is host work, not device time. A
+        step whose drafts are made on the host starts no earlier than the host could have
+        made them: after the step before, plus its layout's time and a handoff."""
         now = time.monotonic()
         start = max(now if arrived_at is None else arrived_at, self._busy_until)
         try:
-            layout, tokens, counts = self._run(plan)
+            layout, tokens, counts, turnaround = self._run(plan)
         except Exception as exc:  # the step fails alone; the device keeps serving
             error = f"{type(exc).__name__}: {exc}"
             return SimPending(
                 plan.step_id, StepResult(plan.step_id, [], None, None, start, now, error)
             )
+        if turnaround is not None:
+            start = max(start, self._busy_until + turnaround)
         self._busy_until = end = start + self.step_seconds(layout)
         result = StepResult(plan.step_id, tokens, None, None, start, end)
         if layout.verifying:
@@ -89,7 +99,7 @@ class SimRunner:
         try:
             start = deadline = time.monotonic()
             for plan in plans:
-                layout, _, _ = self._run(plan)
+                layout, *_ = self._run(plan)
                 deadline += self.step_seconds(layout)
             self.clock.wait_until(deadline)
             return StepResult(REPLAY_STEP, [], None, None, start, time.monotonic())
@@ -100,7 +110,9 @@ class SimRunner:
         context = int(layout.context_lens.sum())
         return self.cost.seconds(layout.num_tokens, len(layout.rows), context)
 
-    def _run(self, plan: StepPlan) -> tuple[StepLayout, np.ndarray, np.ndarray]:
+    def _run(self, plan: StepPlan) -> tuple[StepLayout, np.ndarray, np.ndarray, float | None]:
+        """The step's layout, sampled tokens and counts, and, for a step that drafts on the
+        host, the host's turnaround after the step before ends (None: no wait)."""
         rows = self.rows
         if self.text is not None:
             for row in plan.released_rows.tolist():
@@ -110,11 +122,22 @@ class SimRunner:
             self.seeds = np.resize(self.seeds, len(rows.live))
         for new in plan.new_rows:
             self.seeds[new.row] = text_seed(new.prompt_ids, request_seed(new.params))
-        layout = rows.layout(plan, self.drafter)
+        # As a model device with its rows' tokens on the device: a drafter that can drafts
+        # inside the step, over every slot; any other drafts on the host, which first waits
+        # for every step before (its rows' tokens), so the device idles meanwhile.
+        drafting = bool((plan.num_sampled > 1).any())
+        on_device = drafting and getattr(self.drafter, "drafts_on_device", False)
+        began = time.monotonic()  # the model runner applies the plan before it waits
+        layout = rows.layout(plan, self.drafter, on_device)
+        turnaround = None
+        if on_device:
+            rows.fill_device_drafts(layout, self.drafter)
+        elif drafting:
+            turnaround = time.monotonic() - began + HOST_HANDOFF_S
         at = layout.sample_index
         if not len(at):
             empty = np.zeros(0, np.int64)
-            return layout, empty, empty.astype(np.int32)
+            return layout, empty, empty.astype(np.int32), turnaround
         sampled_rows = layout.sample_rows
         if self.text is None:
             # Only the sampled inputs matter here: the oracle's token follows the input there.
@@ -130,7 +153,7 @@ class SimRunner:
         else:
             counts, tokens = np.ones(len(nsampled), np.int32), targets
         rows.record(layout, tokens, counts)
-        return layout, tokens, counts
+        return layout, tokens, counts, turnaround
 
     def _repeating(self, layout: StepLayout) -> np.ndarray:
         """Each sampled position's token from the text that repeats itself: its context is

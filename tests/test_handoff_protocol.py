@@ -153,6 +153,27 @@ def test_slots_the_drafter_leaves_empty_are_dropped():
     assert nothing.query_lens.tolist() == [1] and not nothing.verifying
 
 
+def test_device_drafts_fill_every_slot_and_end_the_run_where_they_end():
+    """The simulated device's twin of a device drafter: every slot is verified, the ones
+    past the drafts found hold a filler no sampled token can match."""
+    rows, plan = verifying_row()
+    layout = rows.layout(plan, drafts_on_device=True)
+    rows.fill_device_drafts(layout, Fixed([6]))
+    assert layout.input_ids.tolist() == [PLACEHOLDER, 6, 0, 0] and layout.num_tokens == 4
+    assert layout.drafted.tolist() == [1] and layout.next_drafts.tolist() == [6, -1, -1, -1]
+    sampled = np.array([6, 0, 0, 0])  # a filler equal to the sampled token ends it all the same
+    counts = emitted_counts(sampled, layout.next_drafts, layout.sample_offsets, int32s([4]))
+    assert counts.tolist() == [2]
+
+
+def test_device_slots_with_no_draft_found_are_still_verified():
+    rows, plan = verifying_row()
+    layout = rows.layout(plan, drafts_on_device=True)
+    rows.fill_device_drafts(layout, Fixed([]))
+    assert layout.num_tokens == 4 and layout.drafted.tolist() == [0] and layout.verifying
+    assert layout.next_drafts.tolist() == [-1, -1, -1, -1]
+
+
 def test_the_drafter_sees_the_rows_tokens_so_far():
     rows, plan = verifying_row()
     drafter = Fixed([])

@@ -9,7 +9,11 @@ import numpy as np
 import pytest
 
 from async_engine import LLM, AsyncEngine, SamplingParams
+from streams.drafting.ngram import NgramDrafter
+from streams.drafting.suffix import SuffixDrafter
+from streams.plan import DRAFT, NewRow, StepPlan, int32s, int64s
 from streams.sim import PRESETS, CostModel, PreciseClock, cost_model, oracle_tokens
+from streams.sim_runner import HOST_HANDOFF_S, SimRunner
 
 FAST = {"device": "sim", "sim_step_ms": 0.2, "sim_token_us": 0, "sim_seq_us": 0, "sim_ctx_ns": 0}
 
@@ -119,6 +123,44 @@ def test_the_modelled_step_time_is_met(default_model: Path):
     # Never shorter than modelled (a sim that skipped its wait), and close on the median.
     assert min(spans) >= step_ms * 0.999
     assert float(np.median(spans)) < step_ms + 0.3
+
+
+def two_steps(drafter) -> tuple:
+    """A prompt that repeats itself, all but its last token computed, then a step of its last
+    token and 4 draft slots, launched at once (as the pipeline does) on a device of 1 ms a
+    step and 100 us a token; their results."""
+    runner = SimRunner(CostModel(step_ms=1.0, token_us=100.0), 50_000, (2,), 16, 8, drafter)
+    prompt = [7, 8, 9, 10, 7, 8, 9, 10, 7, 8]
+    chunk = StepPlan(
+        0, int32s([0]), int32s([0]), int32s([9]), int32s([0]), int64s(prompt[:9]),
+        new_rows=[NewRow(0, SamplingParams(), prompt, [])], new_blocks=int32s([0, 0]),
+    )  # fmt: skip
+    verify = StepPlan(
+        1, int32s([0]), int32s([9]), int32s([5]), int32s([5]),
+        int64s([prompt[-1], DRAFT, DRAFT, DRAFT, DRAFT]),
+    )  # fmt: skip
+    first, second = runner.launch(chunk), runner.launch(verify)
+    return runner.finish(first), runner.finish(second)
+
+
+def test_a_device_drafter_verifies_every_slot_inside_a_step_that_follows_at_once():
+    first, second = two_steps(NgramDrafter(prompt_lookup_min=2, prompt_lookup_max=4))
+    assert second.device_start == first.device_end  # no wait for the step before's tokens
+    assert second.device_end - second.device_start == pytest.approx(1e-3 + 5 * 100e-6)
+    assert second.drafted.tolist() == [4]
+
+
+def test_a_device_drafter_that_finds_nothing_still_pays_for_its_slots():
+    first, second = two_steps(NgramDrafter(prompt_lookup_min=7, prompt_lookup_max=7))
+    assert second.drafted.tolist() == [0] and second.counts.tolist() == [1]
+    assert second.device_end - second.device_start == pytest.approx(1e-3 + 5 * 100e-6)
+
+
+def test_a_host_drafters_step_waits_for_the_step_before_it():
+    first, second = two_steps(SuffixDrafter(24, 0, 1.0, 0.1))
+    assert second.device_start >= first.device_end + HOST_HANDOFF_S
+    drafted = int(second.drafted[0])  # only the drafts found are verified
+    assert second.device_end - second.device_start == pytest.approx(1e-3 + (1 + drafted) * 1e-4)
 
 
 def test_cost_model_adds_its_terms():
