@@ -127,13 +127,16 @@ class SimRunner:
         # for every step before (its rows' tokens), so the device idles meanwhile.
         drafting = bool((plan.num_sampled > 1).any())
         on_device = drafting and getattr(self.drafter, "drafts_on_device", False)
-        began = time.monotonic()  # the model runner applies the plan before it waits
+        # The host's work is timed on this thread's CPU clock: a host thread that has a core
+        # to itself (a GPU server's) is neither descheduled nor kept from the GIL by the
+        # threads beside it, as this process's may be on a small machine.
+        began = time.thread_time()  # the model runner applies the plan before it waits
         layout = rows.layout(plan, self.drafter, on_device)
         turnaround = None
         if on_device:
             rows.fill_device_drafts(layout, self.drafter)
         elif drafting:
-            turnaround = time.monotonic() - began + HOST_HANDOFF_S
+            turnaround = time.thread_time() - began + HOST_HANDOFF_S
         at = layout.sample_index
         if not len(at):
             empty = np.zeros(0, np.int64)
