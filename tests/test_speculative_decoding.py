@@ -140,6 +140,13 @@ def test_a_bad_speculative_config_is_a_clear_error_at_start(default_model, confi
     assert says in str(err.value)
 
 
+def test_a_draft_model_on_the_simulated_device_is_refused_at_start(default_model):
+    drafting = spec("draft_model", model=str(default_model))
+    with pytest.raises(ValueError, match="speculative_config") as err:
+        LLM(str(default_model), speculative_config=drafting, **FAST_SIM)
+    assert "simulated device runs no model" in str(err.value)
+
+
 # ------------------------------------------------------------------ the simulated device
 def sim_prompts(count: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)

@@ -201,7 +201,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         if not isinstance(self.sim_repeat, int | float) or not 0 <= self.sim_repeat <= 1:
             raise ValueError(f"sim_repeat must be a share in [0, 1], got {self.sim_repeat!r}")
-        self.resolved_speculative()  # raises on a bad config
+        speculative = self.resolved_speculative()  # raises on a bad config
+        if speculative is not None and speculative.method == "draft_model" and self.device == "sim":
+            raise ValueError(
+                "speculative_config: method draft_model needs a model device (cpu or cuda); "
+                "the simulated device runs no model (use ngram or suffix there)"
+            )
 
     def _check_kv_events(self) -> None:
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
