@@ -152,21 +152,29 @@ class RowState:
 
     # ------------------------------------------------------------------- layout
     def layout(
-        self, plan: StepPlan, drafter: Drafter | None = None, drafts_on_device: bool = False
+        self,
+        plan: StepPlan,
+        drafter: Drafter | None = None,
+        drafts_on_device: bool = False,
+        every_slot: bool = False,
     ) -> StepLayout:
         """The step's layout. RESOLVE starts read the rows' token counts: a row whose count
         is unsettled starts where the least it can hold ends, flagged for the device
         (``resolve_on_device``). Drafts: filled here from ``drafter`` (every step before that
         sampled for a drafting row must have been recorded), or, ``drafts_on_device``, left
         as DRAFT inputs for the device to fill (a row then verifies every slot it was given;
-        the device cuts its run where its drafts ran out)."""
-        layout = self._layout(plan, drafter, drafts_on_device)
+        the device cuts its run where its drafts ran out). Filled here, the slots a drafter
+        leaves empty are dropped, or, ``every_slot``, kept with a filler and verified as a
+        device drafter's would be (the simulated device, as a GPU)."""
+        layout = self._layout(plan, drafter, drafts_on_device, every_slot)
         unsettled = (plan.starts == RESOLVE) & (self.unsettled[layout.rows] > 0)
         if unsettled.any():
             layout.resolve_on_device = unsettled
         return layout
 
-    def _layout(self, plan: StepPlan, drafter: Drafter | None, on_device: bool) -> StepLayout:
+    def _layout(
+        self, plan: StepPlan, drafter: Drafter | None, on_device: bool, every_slot: bool
+    ) -> StepLayout:
         rows = plan.rows.astype(np.int64)
         starts = plan.starts.astype(np.int64)
         qlens = plan.query_lens.astype(np.int64)
@@ -184,7 +192,7 @@ class RowState:
             drafted = slots[nsampled > 0].astype(np.int32)
         elif slots.any():
             ids, qlens, nsampled, drafted = self._fill_drafts(
-                rows, starts, qlens, nsampled, ids, slots, drafter
+                rows, starts, qlens, nsampled, ids, slots, drafter, every_slot
             )
         else:
             drafted = np.zeros(int((nsampled > 0).sum()), np.int32)
@@ -203,9 +211,10 @@ class RowState:
         run_first = np.cumsum(nsampled) - nsampled
         sample_offsets = np.arange(len(sample_rows)) - np.repeat(run_first, nsampled)
         sample_index = np.repeat(ends - nsampled, nsampled) + sample_offsets
-        # The draft after each sampled input, within its row's run (-1 at the run's end).
-        last = sample_offsets == np.repeat(nsampled - 1, nsampled)
-        next_drafts = np.where(last, -1, ids[np.minimum(sample_index + 1, len(ids) - 1)])
+        # The draft after each sampled input, within its row's drafts (-1 past them).
+        runs = np.repeat(drafted, nsampled[nsampled > 0])
+        following = ids[np.minimum(sample_index + 1, len(ids) - 1)]
+        next_drafts = np.where(sample_offsets < runs, following, -1)
         scores = self._scores(token_rows, positions) if (self.score_top[rows] >= 0).any() else None
         return StepLayout(
             rows=rows,
@@ -273,8 +282,11 @@ class RowState:
         ids: np.ndarray,
         slots: np.ndarray,
         drafter: Drafter | None,
+        every_slot: bool,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """DRAFT slots filled with the drafter's tokens; slots it leaves empty are dropped."""
+        """DRAFT slots filled with the drafter's tokens; slots it leaves empty are dropped,
+        or, ``every_slot``, hold a filler (0). Returns the inputs, query lengths, sampled
+        counts and each sampled row's drafts found."""
         if drafter is None:
             raise ValueError("a plan has DRAFT slots but the device has no drafter")
         ends = np.cumsum(qlens)
@@ -302,41 +314,13 @@ class RowState:
             k, end = int(slots[i]), int(ends[i])
             drafts = np.asarray(drafts, np.int64)[:k]
             pieces += [ids[at : end - k], drafts]
+            if every_slot:
+                pieces.append(np.zeros(k - len(drafts), np.int64))
             filled[i] = len(drafts)
             at = end
         pieces.append(ids[at:])
-        cut = slots - filled
+        cut = 0 if every_slot else slots - filled
         return np.concatenate(pieces), qlens - cut, nsampled - cut, filled[nsampled > 0]
-
-    def fill_device_drafts(self, layout: StepLayout, drafter: Drafter) -> None:
-        """In place: what a device drafter does inside a step (``pipeline.speculation.draft``),
-        for a device whose rows' tokens are all here (the simulated one). Each row's DRAFT
-        inputs take ``drafter.propose``'s tokens and the rest of its slots a filler: a device
-        verifies every slot it was given, found or not, and cuts the row's run where its
-        drafts end (``drafted``: the drafts found)."""
-        slots = layout.num_sampled - 1
-        verifying = np.flatnonzero(slots > 0)
-        if not len(verifying):
-            return
-        ends = np.cumsum(layout.query_lens)
-        rows = layout.rows[verifying]
-        proposed = drafter.propose(
-            rows.tolist(),
-            [self.history[row, : self.known[row]] for row in rows.tolist()],
-            slots[verifying].tolist(),
-        )
-        ids, found = layout.input_ids, np.zeros(len(layout.rows), np.int64)
-        for i, drafts in zip(verifying.tolist(), proposed, strict=True):
-            k, end = int(slots[i]), int(ends[i])
-            drafts = np.asarray(drafts, np.int64)[:k]
-            ids[end - k : end] = 0
-            ids[end - k : end - k + len(drafts)] = drafts
-            found[i] = len(drafts)
-        sampled = layout.num_sampled > 0
-        layout.drafted = found[sampled].astype(np.int32)
-        runs = np.repeat(layout.drafted, layout.num_sampled[sampled])
-        following = ids[np.minimum(layout.sample_index + 1, len(ids) - 1)]
-        layout.next_drafts = np.where(layout.sample_offsets < runs, following, -1)
 
     # --------------------------------------------------------------- results
     def placeholder_tokens(self, layout: StepLayout) -> np.ndarray:

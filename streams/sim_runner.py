@@ -131,11 +131,9 @@ class SimRunner:
         # to itself (a GPU server's) is neither descheduled nor kept from the GIL by the
         # threads beside it, as this process's may be on a small machine.
         began = time.thread_time()  # the model runner applies the plan before it waits
-        layout = rows.layout(plan, self.drafter, on_device)
+        layout = rows.layout(plan, self.drafter, every_slot=on_device)
         turnaround = None
-        if on_device:
-            rows.fill_device_drafts(layout, self.drafter)
-        elif drafting:
+        if drafting and not on_device:
             turnaround = time.thread_time() - began + HOST_HANDOFF_S
         at = layout.sample_index
         if not len(at):

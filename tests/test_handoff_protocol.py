@@ -157,8 +157,7 @@ def test_device_drafts_fill_every_slot_and_end_the_run_where_they_end():
     """The simulated device's twin of a device drafter: every slot is verified, the ones
     past the drafts found hold a filler no sampled token can match."""
     rows, plan = verifying_row()
-    layout = rows.layout(plan, drafts_on_device=True)
-    rows.fill_device_drafts(layout, Fixed([6]))
+    layout = rows.layout(plan, Fixed([6]), every_slot=True)
     assert layout.input_ids.tolist() == [PLACEHOLDER, 6, 0, 0] and layout.num_tokens == 4
     assert layout.drafted.tolist() == [1] and layout.next_drafts.tolist() == [6, -1, -1, -1]
     sampled = np.array([6, 0, 0, 0])  # a filler equal to the sampled token ends it all the same
@@ -168,8 +167,7 @@ def test_device_drafts_fill_every_slot_and_end_the_run_where_they_end():
 
 def test_device_slots_with_no_draft_found_are_still_verified():
     rows, plan = verifying_row()
-    layout = rows.layout(plan, drafts_on_device=True)
-    rows.fill_device_drafts(layout, Fixed([]))
+    layout = rows.layout(plan, Fixed([]), every_slot=True)
     assert layout.num_tokens == 4 and layout.drafted.tolist() == [0] and layout.verifying
     assert layout.next_drafts.tolist() == [-1, -1, -1, -1]
 
