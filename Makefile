@@ -77,8 +77,8 @@ gpu-wheels: $(STAMP)
 #                and graphs on/off, device busy share; targets reported, not failed on.
 #   profile      profile --compare overlap on/off: busy share, idle-gap percentiles, blame.
 #   speculation  n-gram speculation's greedy tokens equal plain decoding's (verify steps in
-#                CUDA graphs, overlap off, graphs off); tokens/s with and without it at batch
-#                1, 16 and 64, reported.
+#                CUDA graphs, overlap off, graphs off), and suffix's drafted ahead (overlap
+#                on); tokens/s with and without n-gram at batch 1, 16 and 64, reported.
 # Without a GPU (GPU_PYTHON=.venv/bin/python here) the GPU phases report "skipped: no GPU"
 # and the rest must pass, which proves the driver and the wheels before a GPU is lent.
 # One JSON line per phase in GPU_CHECK_OUT (from a device call: GPU_CHECK_OUT=$OUT/gpu-check.json

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from streams.drafting.ahead import Chains, propose_chains
 from streams.drafting.base import Drafter
 from streams.plan import DRAFT, PLACEHOLDER, RESOLVE, StepPlan
 
@@ -49,6 +50,9 @@ class StepLayout:
     # they can be, and the device moves their positions to where its own count ends.
     resolve_on_device: np.ndarray | None = None
     drafts_on_device: bool = False  # DRAFT inputs left for the device's drafter to fill
+    # Drafts made ahead on the host, for the device to keep where they follow its rows'
+    # tokens (``streams.drafting.ahead``): one chain per drafting row. None: the device drafts.
+    chains: Chains | None = None
 
     @property
     def verifying(self) -> bool:
@@ -157,6 +161,7 @@ class RowState:
         drafter: Drafter | None = None,
         drafts_on_device: bool = False,
         every_slot: bool = False,
+        unseen: np.ndarray | None = None,
     ) -> StepLayout:
         """The step's layout. RESOLVE starts read the rows' token counts: a row whose count
         is unsettled starts where the least it can hold ends, flagged for the device
@@ -165,15 +170,23 @@ class RowState:
         as DRAFT inputs for the device to fill (a row then verifies every slot it was given;
         the device cuts its run where its drafts ran out). Filled here, the slots a drafter
         leaves empty are dropped, or, ``every_slot``, kept with a filler and verified as a
-        device drafter's would be (the simulated device, as a GPU)."""
-        layout = self._layout(plan, drafter, drafts_on_device, every_slot)
+        device drafter's would be (the simulated device, as a GPU). A drafter that
+        ``drafts_ahead`` drafts for the device too: chains from the tokens here, past those
+        of the steps in flight (``StepLayout.chains``); ``unseen`` (by row): the latest
+        tokens here that it must not see (the simulated device's step in flight)."""
+        layout = self._layout(plan, drafter, drafts_on_device, every_slot, unseen)
         unsettled = (plan.starts == RESOLVE) & (self.unsettled[layout.rows] > 0)
         if unsettled.any():
             layout.resolve_on_device = unsettled
         return layout
 
     def _layout(
-        self, plan: StepPlan, drafter: Drafter | None, on_device: bool, every_slot: bool
+        self,
+        plan: StepPlan,
+        drafter: Drafter | None,
+        on_device: bool,
+        every_slot: bool,
+        unseen: np.ndarray | None,
     ) -> StepLayout:
         rows = plan.rows.astype(np.int64)
         starts = plan.starts.astype(np.int64)
@@ -186,10 +199,13 @@ class RowState:
         if len(rows) and len(ids) == len(rows) and (nsampled == 1).all():
             return self._decode_layout(rows, starts, ids)
         slots = np.maximum(nsampled - 1, 0)  # DRAFT slots: the row's last inputs
+        chains = None
         if slots.any() and on_device:
             if int((ids == DRAFT).sum()) != int(slots.sum()):
                 raise ValueError("a row's DRAFT slots must be its last inputs")
             drafted = slots[nsampled > 0].astype(np.int32)
+            if getattr(drafter, "drafts_ahead", False):
+                chains = self._chains(rows[slots > 0], slots[slots > 0], drafter, unseen)
         elif slots.any():
             ids, qlens, nsampled, drafted = self._fill_drafts(
                 rows, starts, qlens, nsampled, ids, slots, drafter, every_slot
@@ -234,7 +250,18 @@ class RowState:
             drafted=drafted,
             scores=scores,
             drafts_on_device=on_device and bool(slots.any()),
+            chains=chains,
         )
+
+    def _chains(
+        self, rows: np.ndarray, slots: np.ndarray, drafter: Drafter, unseen: np.ndarray | None
+    ) -> Chains:
+        """Each drafting row's chain from the tokens here: long enough for what its steps in
+        flight may emit (each as many drafts as this step's slots, and one) and its slots."""
+        known = self.known[rows] - (0 if unseen is None else unseen[rows])
+        ahead = self.length[rows] - known + self.unsettled[rows] * slots
+        histories = [self.history[row, :n] for row, n in zip(rows, known, strict=True)]
+        return propose_chains(drafter, rows.tolist(), histories, (ahead + slots).tolist())
 
     def _scores(self, token_rows: np.ndarray, positions: np.ndarray) -> PromptScores | None:
         """The inputs whose logits score the next prompt token, for rows that ask (a row's

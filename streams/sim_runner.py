@@ -2,9 +2,11 @@
 
 It applies every plan to the same ``RowState`` the model runner keeps (so a protocol bug
 shows up here too), computes the oracle's token at each sampled position, drafts and
-verifies as the model runner on a GPU does (a device drafter over every slot granted, any
-other drafter on the host after the step before), then lets the step end when the cost
-model says. Its busy span is exactly the modelled time.
+verifies as the model runner on a GPU does (a device drafter over every slot granted; a
+drafter that drafts ahead on the host, over the step in flight, its drafts kept over every
+slot where they follow the tokens that step emitted; any other drafter on the host after
+the step before), then lets the step end when the cost model says. Its busy span is exactly
+the modelled time.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from streams.device import REPLAY_STEP
+from streams.drafting.ahead import KeptChains
 from streams.drafting.base import Drafter
 from streams.plan import StepPlan, StepResult
 from streams.rows import RowState, StepLayout
@@ -63,6 +66,7 @@ class SimRunner:
     def _fresh_rows(self) -> None:
         self.rows = RowState(self.block_size, self.max_blocks_per_row)
         self.seeds = np.zeros(len(self.rows.live), dtype=np.int64)
+        self.emitted = np.zeros(len(self.rows.live), dtype=np.int64)  # by the last step, by row
 
     def launch(self, plan: StepPlan, arrived_at: float | None = None) -> SimPending:
         """Run ``plan``'s bookkeeping now; its modelled time runs from ``arrived_at`` (when
@@ -70,18 +74,22 @@ class SimRunner:
         behind a host thread that decodes plans and encodes results while the device
         computes, the device loop's own work in between is host work, not device time. A
         step whose drafts are made on the host starts no earlier than the host could have
-        made them: after the step before, plus its layout's time and a handoff."""
+        made them: after the step before, plus its layout's time and a handoff. Any other
+        starts no earlier than its layout was made; a drafter that drafts ahead then has not
+        seen the tokens of the step before if that step was still running."""
         now = time.monotonic()
         start = max(now if arrived_at is None else arrived_at, self._busy_until)
         try:
-            layout, tokens, counts, turnaround = self._run(plan)
+            layout, tokens, counts, host, waits = self._run(plan, now < self._busy_until)
         except Exception as exc:  # the step fails alone; the device keeps serving
             error = f"{type(exc).__name__}: {exc}"
             return SimPending(
                 plan.step_id, StepResult(plan.step_id, [], None, None, start, now, error)
             )
-        if turnaround is not None:
-            start = max(start, self._busy_until + turnaround)
+        if waits:
+            start = max(start, self._busy_until + host + HOST_HANDOFF_S)
+        else:
+            start = max(start, now + host)
         self._busy_until = end = start + self.step_seconds(layout)
         result = StepResult(plan.step_id, tokens, None, None, start, end)
         if layout.verifying:
@@ -99,7 +107,7 @@ class SimRunner:
         try:
             start = deadline = time.monotonic()
             for plan in plans:
-                layout, *_ = self._run(plan)
+                layout, *_ = self._run(plan, in_flight=False)
                 deadline += self.step_seconds(layout)
             self.clock.wait_until(deadline)
             return StepResult(REPLAY_STEP, [], None, None, start, time.monotonic())
@@ -110,9 +118,11 @@ class SimRunner:
         context = int(layout.context_lens.sum())
         return self.cost.seconds(layout.num_tokens, len(layout.rows), context)
 
-    def _run(self, plan: StepPlan) -> tuple[StepLayout, np.ndarray, np.ndarray, float | None]:
-        """The step's layout, sampled tokens and counts, and, for a step that drafts on the
-        host, the host's turnaround after the step before ends (None: no wait)."""
+    def _run(
+        self, plan: StepPlan, in_flight: bool
+    ) -> tuple[StepLayout, np.ndarray, np.ndarray, float, bool]:
+        """The step's layout, sampled tokens and counts, the host's time laying it out, and
+        whether the host waited for the step before (``in_flight``: it was still running)."""
         rows = self.rows
         if self.text is not None:
             for row in plan.released_rows.tolist():
@@ -120,25 +130,38 @@ class SimRunner:
         rows.apply(plan, self.drafter)
         if len(self.seeds) < len(rows.live):
             self.seeds = np.resize(self.seeds, len(rows.live))
+        if len(self.emitted) < len(rows.live):
+            self.emitted = np.resize(self.emitted, len(rows.live))
         for new in plan.new_rows:
             self.seeds[new.row] = text_seed(new.prompt_ids, request_seed(new.params))
+            self.emitted[new.row] = 0
         # As a model device with its rows' tokens on the device: a drafter that can drafts
-        # inside the step, over every slot; any other drafts on the host, which first waits
-        # for every step before (its rows' tokens), so the device idles meanwhile.
+        # inside the step, over every slot; one that drafts ahead drafts on the host over the
+        # step in flight, and the device keeps its drafts over every slot; any other drafts
+        # on the host, which first waits for every step before, so the device idles meanwhile.
         drafting = bool((plan.num_sampled > 1).any())
         on_device = drafting and getattr(self.drafter, "drafts_on_device", False)
+        ahead = drafting and not on_device and getattr(self.drafter, "drafts_ahead", False)
         # The host's work is timed on this thread's CPU clock: a host thread that has a core
         # to itself (a GPU server's) is neither descheduled nor kept from the GIL by the
         # threads beside it, as this process's may be on a small machine.
         began = time.thread_time()  # the model runner applies the plan before it waits
-        layout = rows.layout(plan, self.drafter, every_slot=on_device)
-        turnaround = None
-        if drafting and not on_device:
-            turnaround = time.thread_time() - began + HOST_HANDOFF_S
+        if ahead:  # the host's chains, then the device's part (its time is the step's)
+            unseen = self.emitted if in_flight else None
+            chains = rows.layout(plan, self.drafter, drafts_on_device=True, unseen=unseen)
+            host = time.thread_time() - began
+            kept = KeptChains(chains.chains, chains.rows[chains.num_sampled > 1],
+                              getattr(self.drafter, "missed", None))  # fmt: skip
+            layout = rows.layout(plan, kept, every_slot=True)
+        else:
+            layout = rows.layout(plan, self.drafter, every_slot=on_device)
+            host = time.thread_time() - began
+        waits = drafting and not (on_device or ahead)
+        self.emitted[:] = 0  # this step's, from here on
         at = layout.sample_index
         if not len(at):
             empty = np.zeros(0, np.int64)
-            return layout, empty, empty.astype(np.int32), turnaround
+            return layout, empty, empty.astype(np.int32), host, waits
         sampled_rows = layout.sample_rows
         if self.text is None:
             # Only the sampled inputs matter here: the oracle's token follows the input there.
@@ -154,7 +177,8 @@ class SimRunner:
         else:
             counts, tokens = np.ones(len(nsampled), np.int32), targets
         rows.record(layout, tokens, counts)
-        return layout, tokens, counts, turnaround
+        self.emitted[layout.rows[layout.num_sampled > 0]] = counts
+        return layout, tokens, counts, host, waits
 
     def _repeating(self, layout: StepLayout) -> np.ndarray:
         """Each sampled position's token from the text that repeats itself: its context is

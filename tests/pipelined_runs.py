@@ -3,6 +3,7 @@ the runner on it, and the walk that drives both and compares their results."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from tiny_models import make_tiny_llama
 from async_engine.model import LlamaModel
 from async_engine.model.loader import build_model
 from sampler.params import SamplingParams
+from streams.drafting.ahead import follow
 from streams.pipeline.runner import SLOTS, PipelinedRunner
 from streams.plan import NewRow, StepPlan, int32s, int64s
 
@@ -151,15 +153,29 @@ def walk_two_deep(
 ) -> tuple[list, list]:
     """Drive the reference synchronously and the runner two steps deep (``drafter``: the one
     both use, the runner first, so each proposal is made once and replayed)."""
+
+    def launch(plan: StepPlan):
+        recorded = Recorded(drafter) if drafter is not None else None
+        runner.drafter = recorded
+        return runner.launch(plan), recorded.replay() if recorded else None
+
+    return drive(walk, reference, runner, steps, launch)
+
+
+def drive(
+    walk: PlanWalk, reference: RecomputeRunner, runner: PipelinedRunner, steps: int, launch
+) -> tuple[list, list]:
+    """The walk's plans, each launched on the runner (``launch(plan)``: the pending step and
+    the reference's proposals for it) with two steps in flight, and run by the reference at
+    once; the results of both."""
     expected, got, in_flight = [], [], []
     for _ in range(steps):
         plan = walk.plan()
         if len(in_flight) == SLOTS:
             got.append(runner.finish(in_flight.pop(0)))
-        recorded = Recorded(drafter) if drafter is not None else None
-        runner.drafter = recorded
-        in_flight.append(runner.launch(plan))
-        result = reference.run(plan, recorded.replay() if recorded else None)
+        pending, proposals = launch(plan)
+        in_flight.append(pending)
+        result = reference.run(plan, proposals)
         assert result.error is None, result.error
         walk.record(plan, result)
         expected.append(result)
@@ -185,21 +201,101 @@ def walk_device_drafts(
         drafter = DeviceLookahead(reference)
         proposals = lambda row, tokens, k: next(replayed)  # noqa: E731
     runner = pipelined_runner(folder, block, drafter=drafter, **options)
-    expected, got, in_flight = [], [], []
-    for _ in range(steps):
-        plan = walk.plan()
-        if len(in_flight) == SLOTS:
-            got.append(runner.finish(in_flight.pop(0)))
+
+    def launch(plan: StepPlan):
+        nonlocal replayed
         if not ngram:
             drafter.proposals = []
-        in_flight.append(runner.launch(plan))
+        pending = runner.launch(plan)
         replayed = iter(getattr(drafter, "proposals", []))
-        result = reference.run(plan, proposals)
-        assert result.error is None, result.error
-        walk.record(plan, result)
-        expected.append(result)
-    got += [runner.finish(p) for p in in_flight]
+        return pending, proposals
+
+    replayed = iter([])
+    expected, got = drive(walk, reference, runner, steps, launch)
     return expected, got, runner
+
+
+class ChainRecorder:
+    """A host drafter behind the drafting-ahead contract, its chains recorded (row: the count
+    of tokens each follows, the chain) for the reference to keep what the device keeps."""
+
+    drafts_ahead = True
+
+    def __init__(self, drafter) -> None:
+        self.drafter = drafter
+        self.missed = getattr(drafter, "missed", None)
+        self.chains: dict[int, tuple[int, np.ndarray]] = {}
+        self.kept_ahead = 0  # drafts kept from chains that foresaw tokens in flight
+        self.missed_chains = 0
+
+    def propose(self, rows: list[int], tokens: list, ks: list[int]) -> list[np.ndarray]:
+        proposals = self.drafter.propose(rows, tokens, ks)
+        for row, history, chain in zip(rows, tokens, proposals, strict=True):
+            self.chains[row] = (len(history), np.asarray(chain, np.int64))
+        return proposals
+
+    def release(self, row: int, tokens: np.ndarray) -> None:
+        self.drafter.release(row, tokens)
+
+    def kept(self, row: int, tokens: list[int], k: int) -> np.ndarray:
+        """The drafts the device keeps for ``row``, whose tokens are now ``tokens``."""
+        base, chain = self.chains[row]
+        drafts = follow(chain, np.array(tokens[base:], np.int64), k)
+        if drafts is None:
+            self.missed_chains += 1
+            if self.missed is None:
+                return chain[:0]
+            return self.missed.lookup(np.array(tokens, np.int64), k)
+        self.kept_ahead += len(drafts) if len(tokens) > base else 0
+        return drafts
+
+
+class AheadLookahead:
+    """Drafts ahead as well as can be: the tokens the reference already has past those the
+    runner's host saw (the steps in flight), then the reference's future; one chain of every
+    third made wrong at one place, so chains fail where the steps in flight were, are kept in
+    full, and are cut short."""
+
+    def __init__(self, reference: RecomputeRunner) -> None:
+        self.reference = reference
+        self.calls = 0
+
+    def propose(self, rows: list[int], tokens: list, ks: list[int]) -> list[np.ndarray]:
+        chains = []
+        for row, seen, k in zip(rows, tokens, ks, strict=True):
+            self.calls += 1
+            have = self.reference.tokens[row]
+            assert have[: len(seen)] == list(seen)
+            ahead = have[len(seen) :]
+            future = self.reference.lookahead(row, max(k - len(ahead), 0))
+            chain = np.array(ahead + future, np.int64)[:k]
+            if self.calls % 3 == 0 and len(chain):
+                wrong = self.calls % len(chain)
+                chain[wrong] = (chain[wrong] + 1) % 160
+            chains.append(chain)
+        return chains
+
+    def release(self, row: int, tokens: np.ndarray) -> None:
+        pass
+
+
+def walk_chain_drafts(
+    folder: str, seed: int, steps: int, drafter: Callable, **options
+) -> tuple[list, list, ChainRecorder]:
+    """The walk with rows verifying up to 4 drafts a host drafter (``drafter(reference)``)
+    drafted ahead, over the steps in flight, two steps deep; the reference verifies the
+    drafts the device kept."""
+    walk = PlanWalk(seed, 160, BLOCK, NUM_BLOCKS, PARAMS, max_drafts=4)
+    reference = reference_runner(folder)
+    recorder = ChainRecorder(drafter(reference))
+    runner = pipelined_runner(folder, BLOCK, drafter=recorder, **options)
+
+    def launch(plan: StepPlan):
+        recorder.chains = {}
+        return runner.launch(plan), recorder.kept
+
+    expected, got = drive(walk, reference, runner, steps, launch)
+    return expected, got, recorder
 
 
 def assert_same_results(expected: list, got: list) -> None:

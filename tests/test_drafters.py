@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from streams.drafting.ahead import Chains, ChainsOnDevice, KeptChains, follow
 from streams.drafting.ngram import NgramDrafter
 from streams.drafting.suffix import SuffixDrafter
 
@@ -124,3 +125,64 @@ def test_suffix_drafts_at_most_k(k):
     drafter = suffix(max_spec_factor=8.0)
     drafter.release(0, a(1, 2, 3, 4, 5, 6))
     assert len(drafter.propose([1], [a(1, 2)], [k])[0]) == k
+
+
+# ------------------------------------------------------------------ drafting ahead
+def test_a_chain_drafts_what_follows_the_tokens_it_foresaw():
+    chain = a(5, 6, 7, 8, 9)
+    assert follow(chain, a(5, 6), 2).tolist() == [7, 8]
+    assert follow(chain, a(), 3).tolist() == [5, 6, 7]
+    assert follow(chain, a(5, 6, 7, 8), 4).tolist() == [9]  # what is left of it
+
+
+def test_a_chain_that_foresaw_the_steps_in_flight_wrongly_is_no_draft():
+    chain = a(5, 6, 7, 8, 9)
+    assert follow(chain, a(5, 3), 2) is None
+    assert follow(chain, a(5, 6, 7, 8, 9, 1), 2) is None  # the row outran it
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 2), max_size=6),  # tokens seen by the drafter
+            st.lists(st.integers(0, 2), max_size=5),  # tokens it did not see
+            st.lists(st.integers(0, 2), max_size=9),  # its chain
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    st.integers(1, 4),
+    st.booleans(),
+)
+def test_chains_on_the_device_keep_what_the_numpy_rule_keeps(rows, k, fallback):
+    """Every row at once on the device, from its tokens there, against the simulated
+    device's numpy twin (``follow`` for each row alone, and where it misses, prompt lookup's
+    numpy twin over the row's tokens, or no draft); three-token alphabets: chains foresee
+    and miss alike."""
+    import torch
+
+    missed = NgramDrafter(prompt_lookup_min=1, prompt_lookup_max=2) if fallback else None
+    width = max(len(seen) + len(unseen) for seen, unseen, _ in rows) + 2
+    history = np.full((len(rows), width), 7, np.int64)
+    chains = Chains(
+        np.zeros((len(rows), max(max(len(chain) for *_, chain in rows), 1)), np.int64),
+        np.array([len(chain) for *_, chain in rows]),
+        np.array([len(seen) for seen, *_ in rows]),
+    )
+    for i, (seen, unseen, chain) in enumerate(rows):
+        history[i, : len(seen) + len(unseen)] = seen + unseen
+        chains.tokens[i, : len(chain)] = chain
+    lengths = [len(seen) + len(unseen) for seen, unseen, _ in rows]
+    arrays = (chains.tokens, chains.lengths, chains.base)
+    device = ChainsOnDevice(*(torch.from_numpy(a) for a in arrays), missed)
+    drafts, counts = device.propose_on_device(
+        torch.from_numpy(history).int(), torch.tensor(lengths), k
+    )
+    twin = KeptChains(chains, np.arange(len(rows)), missed)
+    wanted = twin.propose(
+        list(range(len(rows))), [history[i, :n] for i, n in enumerate(lengths)], [k] * len(rows)
+    )
+    for i, want in enumerate(wanted):
+        assert drafts[i, : counts[i]].tolist() == want.tolist()
+        assert drafts[i, counts[i] :].tolist() == [0] * (k - int(counts[i]))

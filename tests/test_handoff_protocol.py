@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sampler.params import SamplingParams
+from streams.drafting.ahead import KeptChains
 from streams.plan import DRAFT, PLACEHOLDER, RESOLVE, NewRow, StepPlan, StepResult, int32s, int64s
-from streams.rows import RowState
+from streams.rows import RowState, StepLayout
 from streams.verify import emitted_counts, keep_emitted
 from streams.wire import decode_plan, decode_result, encode_plan, encode_result
 
@@ -170,6 +171,65 @@ def test_device_slots_with_no_draft_found_are_still_verified():
     layout = rows.layout(plan, Fixed([]), every_slot=True)
     assert layout.num_tokens == 4 and layout.drafted.tolist() == [0] and layout.verifying
     assert layout.next_drafts.tolist() == [-1, -1, -1, -1]
+
+
+class Ahead(Fixed):
+    """``Fixed``, drafting ahead: its proposal is a chain past the tokens it was shown."""
+
+    drafts_ahead = True
+    missed = None
+
+
+class Lookup:
+    """A fallback drafter that proposes the same tokens (and records what it saw)."""
+
+    def __init__(self, drafts: list[int]) -> None:
+        self.drafts, self.seen = np.array(drafts, np.int64), []
+
+    def lookup(self, tokens, k):
+        self.seen.append(tokens.tolist())
+        return self.drafts[:k]
+
+
+def drafted_ahead(drafter: Ahead, missed=None) -> StepLayout:
+    """The simulated device's step: the row's last two tokens were the step in flight's, so
+    the host drafts from the three before; the device keeps what its chain foresaw."""
+    rows, plan = verifying_row()
+    host = rows.layout(plan, drafter, drafts_on_device=True, unseen=np.array([2]))
+    kept = KeptChains(host.chains, host.rows, missed)
+    return rows.layout(plan, kept, every_slot=True)
+
+
+def test_a_chain_drafted_ahead_is_kept_past_the_tokens_its_drafter_did_not_see():
+    drafter = Ahead([4, 5, 6, 7, 8])
+    layout = drafted_ahead(drafter)
+    assert drafter.seen == [(0, [1, 2, 3], 5)]  # two to foresee, three slots
+    assert layout.input_ids.tolist() == [PLACEHOLDER, 6, 7, 8] and layout.drafted.tolist() == [3]
+
+
+def test_a_chain_that_foresaw_wrongly_leaves_the_row_without_drafts():
+    layout = drafted_ahead(Ahead([4, 9, 6, 7, 8]))
+    assert layout.input_ids.tolist() == [PLACEHOLDER, 0, 0, 0] and layout.drafted.tolist() == [0]
+
+
+def test_a_chain_that_foresaw_wrongly_leaves_the_row_to_the_fallback_drafter():
+    missed = Lookup([6])
+    layout = drafted_ahead(Ahead([4, 9, 6, 7, 8]), missed)
+    assert missed.seen == [[1, 2, 3, 4, 5]]  # every token: it runs on the device
+    assert layout.input_ids.tolist() == [PLACEHOLDER, 6, 0, 0] and layout.drafted.tolist() == [1]
+
+
+def test_chains_for_the_device_run_past_what_the_steps_in_flight_may_emit():
+    """A verify step of 3 slots in flight: the row holds 1 to 4 tokens more than the host
+    has, so the next step's chain is 4 + 3 long, from the 5 tokens the host has."""
+    rows, plan = verifying_row()
+    rows.grow(rows.layout(plan, drafts_on_device=True))
+    rows.append_blocks(np.array([0]), np.array([7]))  # room for the next step
+    drafter = Ahead([])
+    layout = rows.layout(plan, drafter, drafts_on_device=True)
+    assert drafter.seen == [(0, [1, 2, 3, 4, 5], 7)]
+    assert layout.input_ids.tolist()[1:] == [DRAFT] * 3 and layout.resolve_on_device.all()
+    assert layout.chains.base.tolist() == [5] and layout.chains.lengths.tolist() == [0]
 
 
 def test_the_drafter_sees_the_rows_tokens_so_far():

@@ -20,6 +20,7 @@ from pipelined_runs import (
     MAX_BLOCKS,
     NUM_BLOCKS,
     PARAMS,
+    AheadLookahead,
     LookaheadDrafter,
     assert_same_results,
     first_step_plan,
@@ -28,6 +29,7 @@ from pipelined_runs import (
     reference_runner,
     seeded_model,
     walk_both,
+    walk_chain_drafts,
     walk_device_drafts,
     walk_two_deep,
 )
@@ -106,6 +108,38 @@ def test_a_serial_device_drafts_on_the_host(tiny, monkeypatch):
 
     monkeypatch.setattr(runner, "draft", on_device)
     expected, got, _ = walk_device_drafts(tiny, 0, steps=60, ngram=True, cuda_graphs=False)
+    assert sum(int(r.drafted.sum()) for r in got if r.drafted is not None) > 20
+    assert_same_results(expected, got)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_drafts_made_ahead_over_steps_in_flight_are_kept_where_they_follow_the_rows_tokens(
+    tiny, seed, deferred
+):
+    """A host drafter drafts ahead, from the tokens the host has, past those of the step in
+    flight: the device keeps the drafts where the chain foresaw that step's tokens (the
+    reference keeps the same ones by the numpy rule), and none where it did not."""
+    expected, got, recorder = walk_chain_drafts(tiny, seed, steps=60, drafter=AheadLookahead)
+    runs = [c for r in expected for c in r.emitted(0).tolist()]
+    assert max(runs) == 5 and 1 in runs
+    assert sum(deferred) > 0 and recorder.kept_ahead > 20
+    assert sum(int(r.drafted.sum()) for r in got if r.drafted is not None) > 20
+    assert_same_results(expected, got)
+
+
+def test_the_suffix_drafter_drafts_ahead_of_the_step_in_flight(tiny, deferred):
+    """Its steps are laid out without waiting for its rows' last tokens, and where its chain
+    missed them, prompt lookup drafts on the device (the walk's random text gives suffix
+    decoding little to foresee: its rule is checked above)."""
+    from streams.drafting.ngram import NgramDrafter
+    from streams.drafting.suffix import SuffixDrafter
+
+    def suffix(reference):
+        return SuffixDrafter(max_tree_depth=8, max_cached_requests=8, max_spec_factor=2.0,
+                             min_token_prob=0.1, missed=NgramDrafter(1, 3))  # fmt: skip
+
+    expected, got, recorder = walk_chain_drafts(tiny, 0, steps=60, drafter=suffix)
+    assert sum(deferred) > 0 and recorder.missed_chains > 10
     assert sum(int(r.drafted.sum()) for r in got if r.drafted is not None) > 20
     assert_same_results(expected, got)
 

@@ -11,7 +11,7 @@ import pytest
 from async_engine import LLM, AsyncEngine, SamplingParams
 from streams.drafting.ngram import NgramDrafter
 from streams.drafting.suffix import SuffixDrafter
-from streams.plan import DRAFT, NewRow, StepPlan, int32s, int64s
+from streams.plan import DRAFT, PLACEHOLDER, NewRow, StepPlan, int32s, int64s
 from streams.sim import PRESETS, CostModel, PreciseClock, cost_model, oracle_tokens
 from streams.sim_runner import HOST_HANDOFF_S, SimRunner
 
@@ -156,8 +156,15 @@ def test_a_device_drafter_that_finds_nothing_still_pays_for_its_slots():
     assert second.device_end - second.device_start == pytest.approx(1e-3 + 5 * 100e-6)
 
 
+class DraftsOnTheHost(SuffixDrafter):
+    """Suffix decoding that cannot draft ahead (as a draft model drafts: on the host, from
+    every token)."""
+
+    drafts_ahead = False
+
+
 def test_a_host_drafters_step_waits_for_the_step_before_it():
-    first, second = two_steps(SuffixDrafter(24, 0, 1.0, 0.1))
+    first, second = two_steps(DraftsOnTheHost(24, 0, 1.0, 0.1))
     assert second.device_start >= first.device_end + HOST_HANDOFF_S
     drafted = int(second.drafted[0])  # only the drafts found are verified
     assert second.device_end - second.device_start == pytest.approx(1e-3 + (1 + drafted) * 1e-4)
@@ -226,3 +233,59 @@ async def test_a_lone_stream_at_gpu_speed_gets_every_token_as_it_is_made(default
             assert sizes == [1] * 64
     finally:
         await engine.aclose()
+
+
+class Chain:
+    """Drafts ahead a fixed chain, and notes the tokens it was shown."""
+
+    drafts_ahead = True
+
+    def __init__(self, chain: list[int]) -> None:
+        self.chain, self.shown = chain, []
+
+    def propose(self, rows, tokens, ks):
+        self.shown += [len(t) for t in tokens]
+        return [np.array(self.chain[:k], np.int64) for k in ks]
+
+    def release(self, row, tokens):
+        pass
+
+
+def sampled_then_verified(drafter) -> tuple:
+    """A 10-token prompt computed and its next token sampled, then a step of that token and
+    4 draft slots, launched while the first runs (1 ms a step, 100 us a token); their
+    results."""
+    runner = SimRunner(CostModel(step_ms=1.0, token_us=100.0), 50_000, (2,), 16, 8, drafter)
+    prompt = list(range(20, 30))
+    prefill = StepPlan(
+        0, int32s([0]), int32s([0]), int32s([10]), int32s([1]), int64s(prompt),
+        new_rows=[NewRow(0, SamplingParams(), prompt, [])], new_blocks=int32s([0, 0]),
+    )  # fmt: skip
+    verify = StepPlan(
+        1, int32s([0]), int32s([10]), int32s([5]), int32s([5]),
+        int64s([PLACEHOLDER, DRAFT, DRAFT, DRAFT, DRAFT]),
+    )  # fmt: skip
+    first = runner.launch(prefill)
+    second = runner.launch(verify)
+    return runner.finish(first), runner.finish(second)
+
+
+def first_token() -> int:
+    """The oracle's token after the prompt of ``sampled_then_verified``."""
+    first, _ = sampled_then_verified(Chain([]))
+    return int(first.tokens[0])
+
+
+def test_a_drafter_that_drafts_ahead_keeps_its_chain_past_the_token_it_foresaw():
+    drafter = Chain([first_token(), 5, 6, 7, 8, 9])
+    first, second = sampled_then_verified(drafter)
+    assert drafter.shown == [10]  # the prompt alone: the first step's token was not back
+    assert second.device_start == pytest.approx(first.device_end, abs=2e-4)  # no wait
+    assert second.drafted.tolist() == [4]
+    assert second.device_end - second.device_start == pytest.approx(1e-3 + 5 * 100e-6)
+
+
+def test_a_drafter_that_drafts_ahead_and_foresaw_wrongly_verifies_nothing_but_pays_its_slots():
+    first, second = sampled_then_verified(Chain([first_token() + 1, 5, 6, 7, 8, 9]))
+    assert second.drafted.tolist() == [0] and second.counts.tolist() == [1]
+    assert second.device_end - second.device_start == pytest.approx(1e-3 + 5 * 100e-6)

@@ -1,7 +1,8 @@
 """The speculation phase of ``make gpu-check``: greedy tokens identical with and without
-speculative decoding on the device (float32; overlap on with the verify steps in CUDA graphs,
-overlap off, graphs off), then tokens/s with and without it at batch 1, 16 and 64 (bf16,
-reported, not judged). Six engine starts in all: each engine runs every batch it can.
+speculative decoding on the device (float32; n-gram drafts with overlap on and the verify
+steps in CUDA graphs, overlap off, graphs off; suffix drafts made ahead on the host over the
+steps in flight, overlap on), then tokens/s with and without it at batch 1, 16 and 64 (bf16,
+reported, not judged). Seven engine starts in all: each engine runs every batch it can.
 
 The GPU host has no tokenizer of the default model, so the workload is random prompts on
 random weights written on the spot: the model's body with a vocabulary of ``VOCAB`` tokens
@@ -33,12 +34,14 @@ from async_engine.bench.gpu_models import SHAPES, emit, write_model
 from sampler.params import SamplingParams
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
 BASE: dict[str, Any] = {"max_num_seqs": 64, "num_kv_blocks": 2048, "max_model_len": 512}
-# name -> engine options over BASE for the identity runs (float32).
-VARIANTS: dict[str, dict[str, Any]] = {
-    "overlap-on": {},
-    "overlap-off": {"overlap": False},
-    "graphs-off": {"cuda_graphs": False},
+# name -> (engine options over BASE, speculative config) for the identity runs (float32).
+VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "overlap-on": ({}, SPEC),
+    "overlap-off": ({"overlap": False}, SPEC),
+    "graphs-off": ({"cuda_graphs": False}, SPEC),
+    "suffix-overlap-on": ({}, SUFFIX),
 }
 BATCHES = (1, 16, 64)
 VOCAB = 1024
@@ -106,9 +109,9 @@ def identity(folder: Path, device: str, vocab: int) -> bool:
     batch = [prompts(vocab, 8)]
     plain = attempt(folder, {"device": device, "dtype": "float32"}, batch, 48)
     ok = True
-    for name, variant in VARIANTS.items():
+    for name, (variant, method) in VARIANTS.items():
         options = {"device": device, "dtype": "float32", **variant}
-        spec = attempt(folder, {**options, "speculative_config": {**SPEC, "adaptive": False}},
+        spec = attempt(folder, {**options, "speculative_config": {**method, "adaptive": False}},
                        batch, 48)  # fmt: skip
         record: dict[str, Any] = {"check": "identity", "variant": name, "device": device}
         errors = [r for r in (plain, spec) if isinstance(r, str)]

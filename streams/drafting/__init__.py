@@ -32,6 +32,7 @@ def build_drafter(config: SpeculativeConfig, **draft_model: Any) -> Drafter:
 
         return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "suffix":
+        from streams.drafting.ngram import NgramDrafter
         from streams.drafting.suffix import SuffixDrafter
 
         return SuffixDrafter(
@@ -39,6 +40,7 @@ def build_drafter(config: SpeculativeConfig, **draft_model: Any) -> Drafter:
             config.suffix_decoding_max_cached_requests,
             config.suffix_decoding_max_spec_factor,
             config.suffix_decoding_min_token_prob,
+            missed=NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max),
         )
     from streams.drafting.draft_model import ModelDrafter
 

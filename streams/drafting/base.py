@@ -4,6 +4,11 @@ A drafter runs where each row's accepted tokens are (the device's row state), so
 control plane never waits for a draft: it only grants a row draft slots, and the device
 fills them (``streams.rows.RowState.layout``). Proposals must be cheap beside a step; a row
 may get fewer tokens than slots, or none.
+
+Optional flags a drafter may set: ``drafts_on_device`` (it also has ``propose_on_device``,
+which drafts inside the step from the device's copy of the rows' tokens) and
+``drafts_ahead`` (asked for more tokens than slots, its proposal runs past the tokens of
+the steps in flight: see ``streams.drafting.ahead``).
 """
 
 from __future__ import annotations

@@ -18,23 +18,33 @@ from collections import OrderedDict, defaultdict
 
 import numpy as np
 
+from streams.drafting.ngram import NgramDrafter
+
 MAX_CANDIDATES = 64  # occurrences of a pair looked at (the most recent ones)
 
 
 class SuffixDrafter:
+    # Asked for more tokens than a step's slots, it drafts past the tokens of the steps in
+    # flight too, so a model runner need not wait for them; where it foresaw them wrongly,
+    # ``missed`` (prompt lookup) drafts on the device instead (``streams.drafting.ahead``).
+    drafts_ahead = True
+
     def __init__(
         self,
         max_tree_depth: int,
         max_cached_requests: int,
         max_spec_factor: float,
         min_token_prob: float,
+        missed: NgramDrafter | None = None,
     ) -> None:
+        self.missed = missed
         self.depth = max_tree_depth
         self.max_cached = max_cached_requests
         self.factor = max_spec_factor
         self.min_prob = min_token_prob
-        # ("row", r, n): the n-th request on row r, live; ("done", n): the n-th that ended
-        self._sequences: dict[object, np.ndarray] = {}
+        # ("row", r, n): the n-th request on row r, live; ("done", n): the n-th that ended.
+        # Lists: matching reads single tokens, which a numpy array hands out ten times slower.
+        self._sequences: dict[object, list[int]] = {}
         self._live: dict[int, tuple] = {}  # row -> its live key
         self._indexed: dict[object, int] = {}  # tokens of each sequence in the index
         self._index: defaultdict[tuple[int, int], list[tuple[object, int]]] = defaultdict(list)
@@ -44,12 +54,15 @@ class SuffixDrafter:
 
     def propose(self, rows: list[int], tokens: list[np.ndarray], ks: list[int]) -> list[np.ndarray]:
         out = []
-        for row, seq, k in zip(rows, tokens, ks, strict=True):
+        for row, tokens_so_far, k in zip(rows, tokens, ks, strict=True):
             key = self._live.get(row)
             if key is None:
                 self._ended += 1
                 key = self._live[row] = ("row", row, self._ended)
-            self._sequences[key] = seq
+                self._sequences[key] = []
+            seq = self._sequences[key]  # a live row's tokens only grow
+            if len(tokens_so_far) > len(seq):
+                seq.extend(tokens_so_far[len(seq) :].tolist())
             self._extend_index(key, seq)
             out.append(self._draft(key, seq, k))
         return out
@@ -63,7 +76,7 @@ class SuffixDrafter:
             return
         self._ended += 1
         key = ("done", self._ended)
-        self._sequences[key] = np.array(tokens, np.int64)
+        self._sequences[key] = np.asarray(tokens).tolist()
         self._extend_index(key, self._sequences[key])
         self._finished[key] = None
         while len(self._finished) > self.max_cached:
@@ -73,46 +86,50 @@ class SuffixDrafter:
         if self._entries > 2 * sum(self._indexed.values()) + 4096:
             self._compact()
 
-    def _extend_index(self, key: object, seq: np.ndarray) -> None:
+    def _extend_index(self, key: object, seq: list[int]) -> None:
         start = max(self._indexed.get(key, 0), 1)
         if start >= len(seq):
             return
-        tail = seq[start - 1 :].tolist()
+        tail = seq[start - 1 :]
         index = self._index
         for offset, pair in enumerate(zip(tail, tail[1:], strict=False)):
             index[pair].append((key, start + offset))  # where the pair's second token is
         self._entries += len(tail) - 1
         self._indexed[key] = len(seq)
 
-    def _draft(self, key: object, seq: np.ndarray, k: int) -> np.ndarray:
+    def _draft(self, key: object, seq: list[int], k: int) -> np.ndarray:
         n = len(seq)
         if n < 2 or k <= 0:
-            return seq[:0].astype(np.int64)
-        found = self._index.get((int(seq[-2]), int(seq[-1])), [])
-        matches: list[tuple[int, np.ndarray, int]] = []  # (matched length, sequence, end)
+            return np.zeros(0, np.int64)
+        found = self._index.get((seq[-2], seq[-1]), [])
+        matches: list[tuple[int, list[int], int]] = []  # (matched length, sequence, end)
         longest = 0
         for where, end in reversed(found[-MAX_CANDIDATES:]):
             other = self._sequences.get(where)
             if other is None or (where == key and end >= n - 1):
                 continue  # a forgotten sequence, or the row's own last tokens
-            length = 2
-            while length < self.depth and end - length >= 0 and length < n:
-                if other[end - length] != seq[n - 1 - length]:
-                    break
-                length += 1
+            # The tokens before the pair match back to ``length`` (at most ``most``); quoted
+            # text mostly matches all the way, which one slice comparison finds.
+            most = min(self.depth, end + 1, n)
+            if most > 2 and other[end + 1 - most : end + 1] == seq[n - most :]:
+                length = most
+            else:
+                length = 2
+                while length < most and other[end - length] == seq[n - 1 - length]:
+                    length += 1
             if length > longest:
                 longest, matches = length, []
             if length == longest:
                 matches.append((length, other, end))
         if not matches:
-            return seq[:0].astype(np.int64)
+            return np.zeros(0, np.int64)
         limit = min(k, max(1, math.floor(self.factor * longest)))
         draft: list[int] = []
         for j in range(1, limit + 1):
             votes: dict[int, int] = {}
             for _, other, end in matches:
                 if end + j < len(other):
-                    token = int(other[end + j])
+                    token = other[end + j]
                     votes[token] = votes.get(token, 0) + 1
             if not votes:
                 break

@@ -20,12 +20,14 @@ to ``SLOTS`` steps in flight and makes every staging area safe to overwrite.
 Speculation keeps the overlap (``streams.pipeline.speculation``): a verify step's emitted
 counts are decided on the device, a later step starts its rows where the device's counts
 end, and the n-gram drafter drafts on the device from the rows' tokens there, so neither
-waits for a token on the host. The host learns the counts with the tokens. What still waits
+waits for a token on the host; the suffix drafter drafts ahead on the host, over the steps
+in flight, and the device keeps the drafts that follow its rows' tokens
+(``streams.drafting.ahead``). The host learns the counts with the tokens. What still waits
 for tokens on the host (only those lose the overlap): steps with structured-output rows (a
-row's mask depends on its last token), drafts made on the host (the suffix and draft-model
-drafters read every row's tokens, so such a step first waits for every step before it), and,
-where the host plans attention (torch's, not Triton's), a step whose rows' counts the host
-does not know yet.
+row's mask depends on its last token), the draft model's drafts (made on the host from
+every row's tokens, so such a step first waits for every step before it), and, where the
+host plans attention (torch's, not Triton's), a step whose rows' counts the host does not
+know yet.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from sampler.prompt_logprobs import score_positions
 from sampler.sampler import Positions
 from streams import cuda_kernels
 from streams.device import REPLAY_STEP, DeviceError
+from streams.drafting.ahead import ChainsOnDevice
 from streams.drafting.base import Drafter
 from streams.pipeline import devsync
 from streams.pipeline.clock import EventClock
@@ -278,7 +281,10 @@ class PipelinedRunner:
                 drafted = dev["drafted"]
                 if layout.drafts_on_device:
                     most = int(layout.num_sampled.max()) - 1
-                    drafted = draft(dev, own, self.drafter, most, width)
+                    drafter = self.drafter
+                    if layout.chains is not None:
+                        drafter = _chains(dev, getattr(drafter, "missed", None))
+                    drafted = draft(dev, own, drafter, most, width)
             cuda_kernels.fill_placeholders(dev["input_ids"], dev["token_slots"], rows.tokens)
             logits = self.forward(layout, dev, rows)
             scores = None
@@ -328,10 +334,14 @@ class PipelinedRunner:
         return pending
 
     def _drafts_on_device(self, plan: StepPlan) -> bool:
-        """Whether the step's drafts are made on the device: by a drafter that can, for rows
-        without a grammar (whose masks need the drafts on the host)."""
+        """Whether the step's drafts are made on the device: by a drafter that can, or kept
+        there from chains a drafter drafted ahead on the host, for rows without a grammar
+        (whose masks need the drafts on the host)."""
         slots = plan.num_sampled > 1
-        if not slots.any() or not getattr(self.drafter, "drafts_on_device", False):
+        drafter = self.drafter
+        if not slots.any() or not (
+            getattr(drafter, "drafts_on_device", False) or getattr(drafter, "drafts_ahead", False)
+        ):
             return False
         return not self.rows.constrained(plan.rows[slots].astype(np.int64))
 
@@ -395,6 +405,14 @@ def prompt_logprobs(layout: StepLayout, scores: tuple) -> list[PromptLogprobs]:
             (int(at.rows[a]), int(at.positions[a]), chosen[a:b].tolist(), rank[a:b].tolist(), tops)
         )
     return out
+
+
+def _chains(dev: dict[str, torch.Tensor], missed: object | None) -> ChainsOnDevice:
+    """The chains a host drafter drafted ahead, as the step's copy holds them (``missed``:
+    the drafter's device drafter for rows whose chains missed)."""
+    base = dev["chain_base"]
+    tokens = dev["chain_tokens"].view(len(base), -1)
+    return ChainsOnDevice(tokens, dev["chain_lengths"], base, missed)
 
 
 def _host(values: np.ndarray) -> torch.Tensor:

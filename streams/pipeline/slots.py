@@ -44,6 +44,9 @@ SECTIONS = (
     "draft_runs",
     "draft_to",
     "draft_from",
+    "chain_tokens",
+    "chain_lengths",
+    "chain_base",
     "starts",
     "resolve",
     "delta_rows",
@@ -130,10 +133,17 @@ def _drafts_before(layout: StepLayout) -> tuple[np.ndarray, np.ndarray]:
 def _device_drafts(layout: StepLayout) -> dict[str, np.ndarray]:
     """Where the device's drafter works: the drafting rows, each one's run among the sampled
     rows, the DRAFT inputs, and for each the flat index of its draft in the drafter's
-    [rows, most slots] output."""
+    [rows, most slots] output; and the chains drafted ahead on the host, if any (flat)."""
     empty = np.zeros(0, np.int64)
+    chains = layout.chains
+    drafts = {
+        "chain_tokens": empty if chains is None else chains.tokens.reshape(-1),
+        "chain_lengths": empty if chains is None else chains.lengths,
+        "chain_base": empty if chains is None else chains.base,
+    }
     if not layout.drafts_on_device:
-        return {"draft_rows": empty, "draft_runs": empty, "draft_to": empty, "draft_from": empty}
+        none = {"draft_rows": empty, "draft_runs": empty, "draft_to": empty, "draft_from": empty}
+        return none | drafts
     slots = layout.num_sampled[layout.num_sampled > 0] - 1
     drafting = np.flatnonzero(slots > 0)
     counts = slots[drafting]
@@ -144,6 +154,7 @@ def _device_drafts(layout: StepLayout) -> dict[str, np.ndarray]:
         "draft_runs": drafting,
         "draft_to": np.flatnonzero(layout.input_ids == DRAFT),
         "draft_from": np.repeat(np.arange(len(drafting)) * int(counts.max()), counts) + within,
+        **drafts,
     }
 
 
