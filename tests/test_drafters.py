@@ -112,6 +112,14 @@ def test_a_row_taken_by_a_new_request_drafts_nothing_from_the_one_before():
     assert drafter.propose([0], [a(40, 41, 8, 9)], [1])[0].tolist() == [10]
 
 
+def test_a_row_handed_other_tokens_than_it_held_drafts_from_those_alone():
+    """As a replay on rows of its own would: no release, tokens that do not grow the row's."""
+    drafter = suffix()
+    drafter.propose([0], [a(1, 2, 3, 4, 5, 6, 7, 8, 9, 10)], [2])
+    assert drafter.propose([0], [a(7, 8, 9, 11, 12, 7, 8)], [2])[0].tolist() == [9, 11]
+    assert drafter.propose([0], [a(1, 2, 3)], [2])[0].tolist() == []
+
+
 def test_suffix_forgets_the_oldest_finished_requests():
     drafter = suffix(max_cached_requests=1)
     drafter.release(0, a(5, 6, 7))

@@ -56,12 +56,16 @@ class SuffixDrafter:
         out = []
         for row, tokens_so_far, k in zip(rows, tokens, ks, strict=True):
             key = self._live.get(row)
+            seq = self._sequences.get(key, [])
+            if len(tokens_so_far) < len(seq) or (seq and tokens_so_far[len(seq) - 1] != seq[-1]):
+                key = None  # not the tokens it held, grown: the row holds another sequence
             if key is None:
+                self._sequences.pop(self._live.get(row), None)
+                self._indexed.pop(self._live.get(row), None)
                 self._ended += 1
                 key = self._live[row] = ("row", row, self._ended)
-                self._sequences[key] = []
-            seq = self._sequences[key]  # a live row's tokens only grow
-            if len(tokens_so_far) > len(seq):
+                seq = self._sequences[key] = []
+            if len(tokens_so_far) > len(seq):  # a live row's tokens only grow
                 seq.extend(tokens_so_far[len(seq) :].tolist())
             self._extend_index(key, seq)
             out.append(self._draft(key, seq, k))
