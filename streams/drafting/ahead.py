@@ -43,14 +43,15 @@ def propose_chains(
     drafter: Drafter, rows: list[int], histories: list[np.ndarray], ks: list[int]
 ) -> Chains:
     """Up to ``ks[i]`` tokens to follow ``histories[i]``, for each row, as one array."""
-    proposals = drafter.propose(rows, histories, ks)
-    lengths = np.array([len(p) for p in proposals], np.int64)
+    proposals = [
+        np.asarray(p, np.int64)[:k]
+        for p, k in zip(drafter.propose(rows, histories, ks), ks, strict=True)
+    ]
     tokens = np.zeros((len(rows), max(ks, default=0)), np.int64)
     for i, proposal in enumerate(proposals):
-        tokens[i, : len(proposal)] = np.asarray(proposal, np.int64)[: tokens.shape[1]]
-    lengths = np.minimum(lengths, tokens.shape[1])
-    base = np.array([len(h) for h in histories], np.int64)
-    return Chains(tokens, lengths, base)
+        tokens[i, : len(proposal)] = proposal
+    lengths = np.array([len(p) for p in proposals], np.int64)
+    return Chains(tokens, lengths, np.array([len(h) for h in histories], np.int64))
 
 
 def follow(chain: np.ndarray, unseen: np.ndarray, k: int) -> np.ndarray | None:

@@ -56,17 +56,17 @@ class SuffixDrafter:
         out = []
         for row, tokens_so_far, k in zip(rows, tokens, ks, strict=True):
             key = self._live.get(row)
-            seq = self._sequences.get(key, [])
-            if len(tokens_so_far) < len(seq) or (seq and tokens_so_far[len(seq) - 1] != seq[-1]):
-                key = None  # not the tokens it held, grown: the row holds another sequence
-            if key is None:
-                self._sequences.pop(self._live.get(row), None)
-                self._indexed.pop(self._live.get(row), None)
+            seq = self._sequences.get(key)
+            held = 0 if seq is None else len(seq)
+            # A live row's tokens only grow; others (a replay's) start the row afresh.
+            grown = len(tokens_so_far) >= held and (not held or tokens_so_far[held - 1] == seq[-1])
+            if seq is None or not grown:
+                self._sequences.pop(key, None)
+                self._indexed.pop(key, None)
                 self._ended += 1
                 key = self._live[row] = ("row", row, self._ended)
-                seq = self._sequences[key] = []
-            if len(tokens_so_far) > len(seq):  # a live row's tokens only grow
-                seq.extend(tokens_so_far[len(seq) :].tolist())
+                seq, held = self._sequences.setdefault(key, []), 0
+            seq.extend(tokens_so_far[held:].tolist())
             self._extend_index(key, seq)
             out.append(self._draft(key, seq, k))
         return out

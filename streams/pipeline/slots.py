@@ -20,6 +20,16 @@ MAX_TOP = 20  # top logprobs a row may ask for (sampler.params.MAX_LOGPROBS)
 # whether each pointer is 16-byte aligned, so sections at any offset would compile a variant
 # per alignment pattern while serving.
 ALIGN = 2
+# Where the device's drafter works, and the chains a host drafter drafted ahead.
+DEVICE_DRAFT_SECTIONS = (
+    "draft_rows",
+    "draft_runs",
+    "draft_to",
+    "draft_from",
+    "chain_tokens",
+    "chain_lengths",
+    "chain_base",
+)
 # The flat int64 arrays of one step, packed back to back into one pinned slot.
 SECTIONS = (
     "input_ids",
@@ -40,13 +50,7 @@ SECTIONS = (
     "score_targets",
     "drafts_at",
     "drafts_input",
-    "draft_rows",
-    "draft_runs",
-    "draft_to",
-    "draft_from",
-    "chain_tokens",
-    "chain_lengths",
-    "chain_base",
+    *DEVICE_DRAFT_SECTIONS,
     "starts",
     "resolve",
     "delta_rows",
@@ -136,14 +140,8 @@ def _device_drafts(layout: StepLayout) -> dict[str, np.ndarray]:
     [rows, most slots] output; and the chains drafted ahead on the host, if any (flat)."""
     empty = np.zeros(0, np.int64)
     chains = layout.chains
-    drafts = {
-        "chain_tokens": empty if chains is None else chains.tokens.reshape(-1),
-        "chain_lengths": empty if chains is None else chains.lengths,
-        "chain_base": empty if chains is None else chains.base,
-    }
     if not layout.drafts_on_device:
-        none = {"draft_rows": empty, "draft_runs": empty, "draft_to": empty, "draft_from": empty}
-        return none | drafts
+        return dict.fromkeys(DEVICE_DRAFT_SECTIONS, empty)
     slots = layout.num_sampled[layout.num_sampled > 0] - 1
     drafting = np.flatnonzero(slots > 0)
     counts = slots[drafting]
@@ -154,7 +152,9 @@ def _device_drafts(layout: StepLayout) -> dict[str, np.ndarray]:
         "draft_runs": drafting,
         "draft_to": np.flatnonzero(layout.input_ids == DRAFT),
         "draft_from": np.repeat(np.arange(len(drafting)) * int(counts.max()), counts) + within,
-        **drafts,
+        "chain_tokens": empty if chains is None else chains.tokens.reshape(-1),
+        "chain_lengths": empty if chains is None else chains.lengths,
+        "chain_base": empty if chains is None else chains.base,
     }
 
 
