@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from async_engine import LLM, SamplingParams
 
@@ -74,3 +78,29 @@ def test_a_closed_llm_refuses_work(tiny_model: Path):
         assert "closed" in str(exc)
     else:
         raise AssertionError("generate on a closed LLM must raise")
+
+
+def kept(devices: list) -> Callable:
+    """A device wrapper that keeps each device the engine starts."""
+    return lambda device: devices.append(device) or device
+
+
+def test_a_closed_llm_leaves_its_device_process_ended_with_status_0(tiny_model: Path):
+    devices = []
+    llm = LLM(str(tiny_model), dtype="float32", device="cpu", device_wrapper=kept(devices))
+    llm.generate([[5, 6, 7]], GREEDY)
+    llm.close()
+    assert devices[0]._proc.returncode == 0
+
+
+def test_an_unreadable_tokenizer_fails_the_start_and_leaves_no_device_process(
+    tiny_model: Path, tmp_path: Path
+):
+    """The tokenizer loads while the device process starts: its failure ends that process."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model, folder)
+    (folder / "tokenizer.json").write_text("{not json")
+    devices = []
+    with pytest.raises(ValueError, match="cannot load the tokenizer in .*model"):
+        LLM(str(folder), dtype="float32", device="cpu", device_wrapper=kept(devices))
+    assert len(devices) == 1 and devices[0]._proc.returncode is not None

@@ -283,12 +283,14 @@ def test_the_identity_phase_says_when_there_is_no_gpu(capsys):
     assert json.loads(capsys.readouterr().out) == {"error": "no CUDA device"}
 
 
-def test_the_speculation_phase_verifies_accepted_and_rejected_drafts_on_the_cpu(capsys):
-    """The phase's own model and prompts (the shape it runs on the GPU): every variant's
-    tokens match plain decoding with some drafts accepted and some rolled back."""
+@pytest.mark.parametrize("shape", ["tiny", pytest.param("smollm2-135m", marks=pytest.mark.slow)])
+def test_the_speculation_phase_verifies_accepted_and_rejected_drafts_on_the_cpu(capsys, shape):
+    """The phase's prompts and weights, on the tiny shape (the shape it runs on the GPU,
+    smollm2-135m, in the slow suite: 40 s here): every variant's tokens match plain
+    decoding with some drafts accepted and some rolled back."""
     from async_engine.bench import gpu_spec
 
-    assert gpu_spec.main(["--device", "cpu", "--checks", "identity"]) == 0
+    assert gpu_spec.main(["--device", "cpu", "--checks", "identity", "--shape", shape]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["variant"] for r in records] == list(gpu_spec.VARIANTS)
     assert all(r["verify_steps"] > 0 and 0 < r["acceptance"] < 1 for r in records)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import gc
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from async_engine.core import group
@@ -57,15 +58,22 @@ class AsyncEngine:
         self.model_path = folder = resolve_model(config.model)
         self.model_config = mc = load_model_config(folder)
         has_tokenizer = any((folder / n).exists() for n in ("tokenizer.json", "tokenizer.model"))
-        self.tokenizer = Tokenizer(folder) if has_tokenizer else None
         self.dtype = config.resolved_dtype()
         self.device_kind = config.resolved_device()
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
-        self.host = DeviceHost(
-            config, folder, mc, self.max_model_len, self._on_step_done, device_wrapper
-        )
+        # The tokenizer loads (about a second) while the device process starts (seconds).
+        with ThreadPoolExecutor(1, "tokenizer-load") as pool:
+            loading = pool.submit(Tokenizer, folder) if has_tokenizer else None
+            self.host = DeviceHost(
+                config, folder, mc, self.max_model_len, self._on_step_done, device_wrapper
+            )
+            try:
+                self.tokenizer = loading.result() if loading is not None else None
+            except BaseException:
+                self.host.close()
+                raise
         num_blocks = self.host.num_blocks
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_cache)
         self.kv_events = attach_kv_events(config, self.pool)  # a no-op unless configured

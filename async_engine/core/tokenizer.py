@@ -13,7 +13,10 @@ class Tokenizer:
     def __init__(self, folder: str | Path) -> None:
         from transformers import AutoTokenizer
 
-        self.hf = AutoTokenizer.from_pretrained(str(folder))
+        try:
+            self.hf = AutoTokenizer.from_pretrained(str(folder))
+        except Exception as exc:
+            raise ValueError(f"cannot load the tokenizer in {folder}: {exc}") from exc
         self.vocab_size = len(self.hf)
         # No token decodes to more characters than its vocabulary entry has (byte-level
         # entries spell each byte as a character): an upper bound used to refuse, before
