@@ -8,6 +8,7 @@ from typing import Any
 
 from streams.device import Device, DeviceSpec
 from streams.drafting.base import Drafter
+from streams.grammar import TokenizerSource
 from streams.pipeline.runner import build_pipelined_runner
 from streams.process_device import ProcessDevice
 from streams.sim import CostModel
@@ -23,7 +24,7 @@ def model_spec(
     block_size: int,
     max_blocks_per_row: int,
     threads: int,
-    tokenizer_folder: str | None = None,
+    tokenizer: TokenizerSource | None = None,
     cuda_graphs: bool = True,
     graph_max_batch: int = 80,
     memory_share: float = 0.9,
@@ -32,7 +33,7 @@ def model_spec(
     graph_tokens_per_row: int = 1,
 ) -> DeviceSpec:
     """A device that runs the model: on the CPU with ``threads`` torch threads, or on CUDA,
-    through the one model runner (``streams.pipeline.runner``). ``tokenizer_folder`` lets it
+    through the one model runner (``streams.pipeline.runner``). ``tokenizer`` lets it
     compile grammars for structured output; ``drafter`` builds (in the device process) the
     drafter of rows that verify drafts, whose steps of up to ``graph_tokens_per_row`` tokens
     a row run in CUDA graphs."""
@@ -47,7 +48,7 @@ def model_spec(
         block_size,
         max_blocks_per_row,
         kind,
-        tokenizer_folder,
+        tokenizer,
         cuda_graphs,
         graph_max_batch,
         memory_share,

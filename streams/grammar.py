@@ -10,16 +10,71 @@ Grammars come from llguidance (JSON, JSON Schema, regex, EBNF/GBNF). Chosen by m
 against xgrammar on the default model's tokenizer, a nested JSON Schema, 64 rows each on
 its own path: per step (masks, apply, sample, advance) llguidance took 3.6 ms at the median
 and xgrammar 11.5 ms; compiling took under 1 ms and 7 ms. Compiled grammars are cached by
-spec; the tokenizer's vocabulary is read once, on the first constrained row.
+spec; the tokenizer's vocabulary is read once, on the first constrained row (from the text
+the engine's process wrote of it: ``TokenizerSource``).
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import os
+import tempfile
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerSource:
+    """Where the device process finds the tokenizer, for llguidance: the model's folder
+    (transformers loads it: 3.4 s of a device's first grammar, most of it imports) or, once
+    the engine's process has written it, ``text_file`` (``TokenizerText``: 0.4 s)."""
+
+    folder: str
+    text_file: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerText:
+    """What llguidance reads of a tokenizer: its JSON as transformers loaded it (added
+    tokens included, no padding or truncation) and its EOS id."""
+
+    json: str
+    eos: int | None
+
+    @classmethod
+    def of(cls, hf_tokenizer: Any) -> TokenizerText:
+        if not hasattr(hf_tokenizer, "backend_tokenizer"):
+            raise ValueError("structured_output needs a fast (Rust) tokenizer")
+        backend = copy.copy(hf_tokenizer.backend_tokenizer)  # left as the engine uses it
+        backend.no_padding()
+        backend.no_truncation()
+        return cls(backend.to_str(), hf_tokenizer.eos_token_id)
+
+    @classmethod
+    def of_folder(cls, folder: str) -> TokenizerText:
+        from transformers import AutoTokenizer
+
+        return cls.of(AutoTokenizer.from_pretrained(folder))
+
+    def save(self, path: str) -> None:
+        """Written whole or not at all (a reader never sees part of it; two writers of the
+        same text may race)."""
+        handle, partial = tempfile.mkstemp(prefix=os.path.basename(path), dir=os.path.dirname(path))
+        with os.fdopen(handle, "w") as f:
+            json.dump({"tokenizer": self.json, "eos": self.eos}, f)
+        os.replace(partial, path)
+
+    @classmethod
+    def load(cls, source: TokenizerSource) -> TokenizerText:
+        if source.text_file is not None and os.path.exists(source.text_file):
+            with open(source.text_file) as f:
+                saved = json.load(f)
+            return cls(saved["tokenizer"], saved["eos"])
+        return cls.of_folder(source.folder)
 
 
 class Grammars:
@@ -27,14 +82,10 @@ class Grammars:
 
     MAX_CACHED = 256
 
-    def __init__(self, tokenizer_folder: str | None, vocab_size: int) -> None:
-        import llguidance.hf
-        from transformers import AutoTokenizer
+    def __init__(self, text: TokenizerText, vocab_size: int) -> None:
+        from llguidance import LLTokenizer
 
-        if tokenizer_folder is None:
-            raise ValueError("structured_output needs the model's tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        self.tokenizer = LLTokenizer(text.json, n_vocab=vocab_size, eos_token=text.eos)
         self.vocab_size = vocab_size
         self._cache: dict[tuple[str, str], str] = {}
 
@@ -101,8 +152,8 @@ def closed_objects(schema: Any) -> Any:
 class GrammarRows:
     """The matchers of the device's constrained rows."""
 
-    def __init__(self, tokenizer_folder: str | None, vocab_size: int) -> None:
-        self.tokenizer_folder = tokenizer_folder
+    def __init__(self, tokenizer: TokenizerSource | None, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.matchers: dict[int, Any] = {}  # row -> llguidance.LLMatcher
         self._grammars: Grammars | None = None
@@ -111,7 +162,10 @@ class GrammarRows:
         self.matchers.pop(row, None)
         if spec is not None:
             if self._grammars is None:
-                self._grammars = Grammars(self.tokenizer_folder, self.vocab_size)
+                if self.tokenizer is None:
+                    raise ValueError("structured_output needs the model's tokenizer")
+                text = TokenizerText.load(self.tokenizer)
+                self._grammars = Grammars(text, self.vocab_size)
             self.matchers[row] = self._grammars.matcher(*spec)
 
     def drop(self, row: int) -> None:

@@ -158,9 +158,9 @@ def test_parallel_calls_come_back_all_or_only_the_first():
 def _matches(tokenizer_folder: Path, structured: tuple[str, str], text: str) -> bool:
     from llguidance import LLMatcher
 
-    from streams.grammar import Grammars
+    from streams.grammar import Grammars, TokenizerText
 
-    grammars = Grammars(str(tokenizer_folder), 49152)
+    grammars = Grammars(TokenizerText.of_folder(str(tokenizer_folder)), 49152)
     matcher = LLMatcher(grammars.tokenizer, grammars.compile(*structured), log_level=0)
     ids = Tokenizer(tokenizer_folder).encode(text)
     return matcher.consume_tokens(ids) and matcher.is_accepting()

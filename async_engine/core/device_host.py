@@ -18,6 +18,7 @@ from async_engine.model.config import ModelConfig
 from streams.device import Device, DeviceSpec
 from streams.drafting import Drafter, build_drafter
 from streams.factory import create_device, model_spec, sim_spec
+from streams.grammar import TokenizerSource
 from streams.plan import StepPlan, StepResult
 from streams.sim import cost_model
 
@@ -31,6 +32,7 @@ class DeviceHost:
         max_model_len: int,
         on_result: Callable[[StepPlan, StepResult], None],
         wrapper: Callable[[Device], Device] | None = None,
+        tokenizer_text: str | None = None,
     ) -> None:
         self.config = config
         self.model_path = model_path
@@ -40,6 +42,7 @@ class DeviceHost:
         self.dtype = config.resolved_dtype()
         self._on_result = on_result
         self._wrapper = wrapper  # tests inject faults here; the engine never does
+        self.tokenizer_text = tokenizer_text  # see streams.grammar.TokenizerSource
         self.num_blocks = config.num_kv_blocks or self._default_num_blocks()
         # A GPU sizes its own pool from free memory (gpu_memory_utilization): start it first.
         self.device = self._start()
@@ -104,7 +107,7 @@ class DeviceHost:
             bs,
             max_blocks_per_row,
             config.resolved_device_threads(),
-            str(self.model_path) if has_tokenizer else None,
+            TokenizerSource(str(self.model_path), self.tokenizer_text) if has_tokenizer else None,
             config.cuda_graphs,
             self._graph_max_batch(),
             config.gpu_memory_utilization,

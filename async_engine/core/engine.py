@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import tempfile
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
+from uuid import uuid4
 
 from async_engine.core import group
 from async_engine.core.config import EngineConfig
@@ -63,12 +66,16 @@ class AsyncEngine:
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
+        # The tokenizer's text for llguidance, written on the first structured request: the
+        # device process then reads it instead of loading transformers (streams.grammar).
+        self.tokenizer_text = str(Path(tempfile.gettempdir(), f"async-engine-{uuid4().hex}.json"))
         # The tokenizer loads (about a second) while the device process starts (seconds).
         with ThreadPoolExecutor(1, "tokenizer-load") as pool:
             loading = pool.submit(Tokenizer, folder) if has_tokenizer else None
             self.host = DeviceHost(
-                config, folder, mc, self.max_model_len, self._on_step_done, device_wrapper
-            )
+                config, folder, mc, self.max_model_len, self._on_step_done, device_wrapper,
+                self.tokenizer_text,
+            )  # fmt: skip
             try:
                 self.tokenizer = loading.result() if loading is not None else None
             except BaseException:
@@ -83,8 +90,9 @@ class AsyncEngine:
         )
         self.scheduler = Scheduler(sched_config, self.pool, config.build_policy(), self.clock)
         self.intake = Intake(
-            config, mc, folder, self.tokenizer, self.scheduler, self.max_model_len, num_blocks
-        )
+            config, mc, self.tokenizer, self.tokenizer_text, self.scheduler,
+            self.max_model_len, num_blocks,
+        )  # fmt: skip
         self.inputs = self.intake.inputs
         self.unread = UnreadBudget(config.max_unread_bytes_per_stream, config.max_unread_bytes)
         self.emitter = Emitter(self.tokenizer, self.unread)
@@ -286,6 +294,7 @@ class AsyncEngine:
         self.host.close()
         self.intake.close()
         self.kv_events.close()
+        Path(self.tokenizer_text).unlink(missing_ok=True)
 
     def _ensure_started(self) -> None:
         if self._closed:

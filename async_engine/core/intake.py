@@ -12,7 +12,6 @@ import asyncio
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from async_engine.core.config import EngineConfig
@@ -44,8 +43,8 @@ class Intake:
         self,
         config: EngineConfig,
         model_config: ModelConfig,
-        model_path: Path,
         tokenizer: Tokenizer | None,
+        tokenizer_text: str | None,
         scheduler: Scheduler,
         max_model_len: int,
         num_blocks: int,
@@ -55,7 +54,7 @@ class Intake:
         self.inputs = InputBuilder(limits, tokenizer)
         self.scheduler = scheduler
         self.tokenizer = tokenizer
-        self.model_path = model_path
+        self.tokenizer_text = tokenizer_text  # where the device process reads it (grammars)
         self.vocab_size = model_config.vocab_size
         self.config = config  # read at each submission: max_waiting may be changed live
         # The simulated device does not constrain output.
@@ -117,17 +116,22 @@ class Intake:
     def check_structured_output(self, params: SamplingParams) -> None:
         """Compile the request's grammar here first, so a bad one is a ValueError naming
         structured_output at submission, never a failed step on the device. The first call
-        reads the tokenizer's vocabulary (under a second); compiled grammars are cached."""
+        reads the tokenizer's vocabulary (under a second) and leaves it for the device process
+        in ``tokenizer_text``; compiled grammars are cached."""
         spec = params.structured_output
         if spec is None:
             return
         if not self.constrains_output:
             raise ValueError("structured_output: the simulated device does not constrain output")
-        from streams.grammar import Grammars
+        from streams.grammar import Grammars, TokenizerText
 
         if self._grammars is None:
-            folder = str(self.model_path) if self.tokenizer is not None else None
-            self._grammars = Grammars(folder, self.vocab_size)
+            if self.tokenizer is None:
+                raise ValueError("structured_output needs the model's tokenizer")
+            text = TokenizerText.of(self.tokenizer.hf)
+            if self.tokenizer_text is not None:
+                text.save(self.tokenizer_text)
+            self._grammars = Grammars(text, self.vocab_size)
         self._grammars.compile(*spec)
 
     def expired(self, now: float) -> list[tuple[Request, FinishReason]]:

@@ -15,7 +15,7 @@ import torch
 
 from sampler.sampler import Positions, Sample, Sampler
 from streams.drafting.base import Drafter
-from streams.grammar import GrammarRows
+from streams.grammar import GrammarRows, TokenizerSource
 from streams.pipeline.row_tokens import RowTokens
 from streams.plan import StepPlan
 from streams.rows import RowState, StepLayout
@@ -33,7 +33,7 @@ class DeviceRows:
         vocab_size: int,
         device: torch.device,
         seed: int | None,
-        tokenizer_folder: str | None,
+        tokenizer: TokenizerSource | None,
         speculative: bool = False,
     ) -> None:
         self.host = RowState(block_size, max_blocks_per_row)
@@ -41,7 +41,7 @@ class DeviceRows:
         self.tables = torch.zeros(rows, max_blocks_per_row, dtype=torch.int64, device=device)
         self.tokens = torch.zeros(rows * TOKEN_WINDOW, dtype=torch.int64, device=device)
         self.sampler = Sampler(vocab_size, device, rows, seed)
-        self.grammars = GrammarRows(tokenizer_folder, vocab_size)
+        self.grammars = GrammarRows(tokenizer, vocab_size)
         # Rows that speculate keep their tokens and counts on the device too (verify steps'
         # counts are decided there).
         self.row_tokens = RowTokens(rows, device) if speculative else None

@@ -46,6 +46,7 @@ from streams import cuda_kernels
 from streams.device import REPLAY_STEP, DeviceError
 from streams.drafting.ahead import ChainsOnDevice
 from streams.drafting.base import Drafter
+from streams.grammar import TokenizerSource
 from streams.pipeline import devsync
 from streams.pipeline.clock import EventClock
 from streams.pipeline.device_rows import TOKEN_WINDOW, DeviceRows, token_slots
@@ -75,7 +76,7 @@ class PipelinedRunner:
         block_size: int,
         max_blocks_per_row: int,
         device: torch.device | str = "cpu",
-        tokenizer_folder: str | None = None,
+        tokenizer: TokenizerSource | None = None,
         cuda_graphs: bool = True,
         graph_max_batch: int = 80,
         attention: str = "auto",  # auto | triton | torch: who attends (triton on CPU: tests)
@@ -91,7 +92,7 @@ class PipelinedRunner:
         self.sync = devsync.for_device(self.device)
         self.block_size, self.max_blocks_per_row = block_size, max_blocks_per_row
         self.vocab_size = model.cfg.vocab_size
-        self.tokenizer_folder, self.seed = tokenizer_folder, seed
+        self.tokenizer, self.seed = tokenizer, seed
         self.drafter = drafter
         if attention not in ("auto", "triton", "torch"):
             raise ValueError(f"attention must be auto|triton|torch, got {attention!r}")
@@ -385,7 +386,7 @@ class PipelinedRunner:
             self.vocab_size,
             self.device,
             self.seed,
-            self.tokenizer_folder,
+            self.tokenizer,
             speculative=self.drafter is not None,
         )
 
@@ -468,7 +469,7 @@ def build_pipelined_runner(
     block_size: int,
     max_blocks_per_row: int,
     device: str = "cuda",
-    tokenizer_folder: str | None = None,
+    tokenizer: TokenizerSource | None = None,
     cuda_graphs: bool = True,
     graph_max_batch: int = 80,
     memory_share: float = 0.9,
@@ -484,7 +485,7 @@ def build_pipelined_runner(
         block_size,
         max_blocks_per_row,
         device,
-        tokenizer_folder,
+        tokenizer,
         cuda_graphs,
         graph_max_batch,
         memory_share=memory_share,
