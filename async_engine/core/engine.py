@@ -73,9 +73,14 @@ class AsyncEngine:
         with ThreadPoolExecutor(1, "tokenizer-load") as pool:
             loading = pool.submit(Tokenizer, folder) if has_tokenizer else None
             self.host = DeviceHost(
-                config, folder, mc, self.max_model_len, self._on_step_done, device_wrapper,
+                config,
+                folder,
+                mc,
+                self.max_model_len,
+                self._on_step_done,
+                device_wrapper,
                 self.tokenizer_text,
-            )  # fmt: skip
+            )
             try:
                 self.tokenizer = loading.result() if loading is not None else None
             except BaseException:
@@ -90,9 +95,14 @@ class AsyncEngine:
         )
         self.scheduler = Scheduler(sched_config, self.pool, config.build_policy(), self.clock)
         self.intake = Intake(
-            config, mc, self.tokenizer, self.tokenizer_text, self.scheduler,
-            self.max_model_len, num_blocks,
-        )  # fmt: skip
+            config,
+            mc,
+            self.tokenizer,
+            self.tokenizer_text,
+            self.scheduler,
+            self.max_model_len,
+            num_blocks,
+        )
         self.inputs = self.intake.inputs
         self.unread = UnreadBudget(config.max_unread_bytes_per_stream, config.max_unread_bytes)
         self.emitter = Emitter(self.tokenizer, self.unread)
