@@ -3,6 +3,8 @@ decoding, from finished requests)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -10,7 +12,7 @@ from hypothesis import strategies as st
 
 from streams.drafting.ahead import Chains, ChainsOnDevice, KeptChains, follow
 from streams.drafting.ngram import NgramDrafter
-from streams.drafting.suffix import SuffixDrafter
+from streams.drafting.suffix import MAX_CANDIDATES, SuffixDrafter
 
 
 def a(*tokens: int) -> np.ndarray:
@@ -133,6 +135,162 @@ def test_suffix_drafts_at_most_k(k):
     drafter = suffix(max_spec_factor=8.0)
     drafter.release(0, a(1, 2, 3, 4, 5, 6))
     assert len(drafter.propose([1], [a(1, 2)], [k])[0]) == k
+
+
+class SuffixByHand:
+    """Suffix decoding's definition, token by token: the drafter drafts as this does.
+
+    Every pair of consecutive tokens indexed, in the order the drafter indexes them (each
+    call's rows in turn, then a release's), forgotten sequences' pairs included: of the
+    occurrences of a row's last pair, the ``MAX_CANDIDATES`` most recent are looked at."""
+
+    def __init__(self, depth: int, max_cached: int, factor: float, min_prob: float) -> None:
+        self.depth, self.max_cached = depth, max_cached
+        self.factor, self.min_prob = factor, min_prob
+        self.sequences: dict[int, list[int]] = {}  # the kept ones
+        self.live: dict[int, int] = {}
+        self.finished: list[int] = []
+        # (the pair, its sequence, the offset of its second token there)
+        self.order: list[tuple[tuple[int, int], int, int]] = []
+        self.made = 0
+
+    def _grow(self, seq: int | None, tokens: list[int], whole: bool) -> int:
+        held = self.sequences.get(seq, [])
+        grows = held and len(tokens) >= len(held) and tokens[len(held) - 1] == held[-1]
+        if not grows or (whole and tokens[: len(held)] != held):
+            self.sequences.pop(seq, None)
+            self.made += 1
+            seq, held = self.made, []
+            self.sequences[seq] = held
+        pairs = range(max(len(held), 1), len(tokens))
+        self.order += [((tokens[end - 1], tokens[end]), seq, end) for end in pairs]
+        held += tokens[len(held) :]
+        return seq
+
+    def propose(self, rows, tokens, ks):
+        tokens = [t.tolist() for t in tokens]
+        for row, seq in zip(rows, tokens, strict=True):
+            self.live[row] = self._grow(self.live.get(row), seq, whole=False)
+        return [self._draft(self.live[row], k) for row, k in zip(rows, ks, strict=True)]
+
+    def release(self, row, tokens):
+        live = self.live.pop(row, None)
+        if self.max_cached == 0 or len(tokens) < 2:
+            self.sequences.pop(live, None)
+            return
+        self.finished.append(self._grow(live, tokens.tolist(), whole=True))
+        while len(self.finished) > self.max_cached:
+            self.sequences.pop(self.finished.pop(0), None)
+
+    def _draft(self, own: int, k: int) -> list[int]:
+        seq = self.sequences[own]
+        n = len(seq)
+        if n < 2 or k <= 0:
+            return []
+        found = [(s, e) for pair, s, e in self.order if pair == (seq[-2], seq[-1])]
+        matches = []
+        for s, e in reversed(found[-MAX_CANDIDATES:]):
+            if s not in self.sequences or (s == own and e >= n - 1):
+                continue
+            length, most = 0, min(self.depth, e + 1, n)
+            while length < most and self._at(s, e - length) == seq[n - 1 - length]:
+                length += 1
+            matches.append((length, s, e))
+        longest = max((m[0] for m in matches), default=0)
+        matches = [(s, e) for length, s, e in matches if length == longest]
+        draft = []
+        for j in range(1, min(k, max(1, math.floor(self.factor * longest))) + 1 if matches else 0):
+            votes: dict[int, int] = {}
+            for s, e in matches:
+                if e + j < len(self.sequences[s]):
+                    votes[self._at(s, e + j)] = votes.get(self._at(s, e + j), 0) + 1
+            if not votes:
+                break
+            token, count = max(votes.items(), key=lambda vote: vote[1])  # the first on a tie
+            if count / len(matches) < self.min_prob:
+                break
+            draft.append(token)
+            matches = [(s, e) for s, e in matches if self._at(s, e + j, e + j + 1) == [token]]
+        return draft
+
+    def _at(self, seq: int, start: int, stop: int | None = None):
+        tokens = self.sequences[seq]
+        return tokens[start] if stop is None else tokens[start:stop]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    depth=st.sampled_from([2, 3, 8, 24]),
+    max_cached=st.sampled_from([0, 1, 3, 100]),
+    factor=st.sampled_from([0.5, 1.0, 2.0, 4.0]),
+    min_prob=st.sampled_from([0.0, 0.1, 0.5, 1.0]),
+    vocab=st.integers(3, 12),
+    data=st.data(),
+)
+def test_suffix_drafts_as_its_definition_does(depth, max_cached, factor, min_prob, vocab, data):
+    """Random rows that quote each other and themselves, grow, end, restart and take new
+    requests, several rows a call; small vocabularies, so pairs recur past the candidates
+    looked at."""
+    drafter = SuffixDrafter(depth, max_cached, factor, min_prob)
+    by_hand = SuffixByHand(depth, max_cached, factor, min_prob)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    rows: dict[int, np.ndarray] = {}
+    quoted: list[np.ndarray] = [rng.integers(0, vocab, 40)]
+    for _ in range(data.draw(st.integers(1, 30))):
+        for row in data.draw(st.lists(st.integers(0, 5), max_size=3, unique=True)):
+            if row in rows:  # it ends (sometimes with a last step the drafter never saw)
+                ended = np.concatenate([rows.pop(row), rng.integers(0, vocab, rng.integers(0, 3))])
+                drafter.release(row, ended)
+                by_hand.release(row, ended)
+                quoted.append(ended)
+        calling = data.draw(st.lists(st.integers(0, 5), min_size=1, max_size=6, unique=True))
+        for row in calling:
+            source = quoted[rng.integers(len(quoted))]
+            start = rng.integers(len(source))
+            new = source[start : start + rng.integers(1, 12)]
+            if rng.random() < 0.3:
+                new = rng.integers(0, vocab, rng.integers(1, 4))
+            held = rows.get(row, np.zeros(0, np.int64))
+            if rng.random() < 0.05:  # handed other tokens than it held, as a replay's
+                held = held[: rng.integers(len(held) + 1)][::-1].copy()
+            rows[row] = np.concatenate([held, new]).astype(np.int64)
+        ks = [int(rng.integers(0, 9)) for _ in calling]
+        got = drafter.propose(calling, [rows[row] for row in calling], ks)
+        want = by_hand.propose(calling, [rows[row] for row in calling], ks)
+        assert [g.tolist() for g in got] == want
+        assert all(g.dtype == np.int64 for g in got)
+
+
+def test_suffix_looks_only_at_the_most_recent_occurrences():
+    """Older occurrences are not looked at, even where they would match further back."""
+    drafter = suffix()
+    for row in range(6):
+        drafter.release(row, a(9, 1, 2, 3))
+    for row in range(6, 6 + MAX_CANDIDATES):
+        drafter.release(row, a(8, 1, 2, 4))
+    assert drafter.propose([99], [a(9, 1, 2)], [1])[0].tolist() == [4]
+    drafter.release(99, a(5, 8, 1))  # one more recent occurrence of (8, 1): no change for (1, 2)
+    drafter.release(100, a(7, 9, 1, 2, 3))  # one more of (1, 2): the longest match now
+    assert drafter.propose([101], [a(9, 1, 2)], [1])[0].tolist() == [3]
+
+
+def test_suffix_drafts_the_same_once_forgotten_requests_are_compacted_away():
+    """Forgetting thousands of finished requests' tokens compacts the drafter's index and
+    store; what it drafts is what a drafter that only saw the kept requests drafts."""
+    rng = np.random.default_rng(0)
+    requests = [rng.integers(0, 50, 300) for _ in range(40)]
+    long_lived, fresh = suffix(max_cached_requests=3), suffix(max_cached_requests=3)
+    live = rng.integers(0, 50, 2000)  # a row that lives through it all, growing
+    for drafter, ended in ((long_lived, requests), (fresh, requests[-3:])):
+        drafter.propose([7], [live[:1000]], [4])
+        for row, tokens in enumerate(ended):
+            drafter.release(row, tokens)
+    kept = sum(len(entries) for entries in fresh._index.values())
+    assert sum(len(entries) for entries in long_lived._index.values()) <= 2 * kept + 4096
+    for quote in (requests[-1][100:140], requests[-3][:20], live[500:530], requests[0][50:80]):
+        tokens = np.concatenate([live[:1000], quote])
+        want = fresh.propose([7], [tokens], [6])[0].tolist()
+        assert long_lived.propose([7], [tokens], [6])[0].tolist() == want
 
 
 # ------------------------------------------------------------------ drafting ahead

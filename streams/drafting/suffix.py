@@ -4,23 +4,32 @@ not only within one).
 
 An index maps each pair of consecutive tokens to where it occurs, in the live rows and in
 up to ``max_cached_requests`` finished sequences. To propose, the occurrences of the row's
-last two tokens are extended backwards while they match (up to ``max_tree_depth`` tokens);
-the longest matches then vote, position by position, on what follows, as a walk down the
-suffix tree of those occurrences would: the most frequent continuation is drafted while
-its share of the surviving matches is at least ``min_token_prob``, and for at most
+last two tokens (the ``MAX_CANDIDATES`` most recent) are extended backwards while they
+match (up to ``max_tree_depth`` tokens); the longest matches then vote, position by
+position, on what follows, as a walk down the suffix tree of those occurrences would: the
+most frequent continuation (the most recent occurrence's, on a tie) is drafted while its
+share of the surviving matches is at least ``min_token_prob``, and for at most
 ``max_spec_factor`` tokens per matched token (a longer match earns a longer draft).
+
+A call drafts for all its rows at once, in numpy: every sequence's tokens are kept in one
+int32 arena, each after a -1 (a backward match stops there) and followed by -1s (room to
+grow; a continuation stops there), so a step's candidates are matched and vote as arrays,
+not token by token in Python. Every row's new tokens are indexed before any row drafts.
 """
 
 from __future__ import annotations
 
-import math
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 
 import numpy as np
 
 from streams.drafting.ngram import NgramDrafter
 
 MAX_CANDIDATES = 64  # occurrences of a pair looked at (the most recent ones)
+END = -1  # in the arena: before and after each sequence's tokens
+_NO_TOKEN = -2  # neither a token nor END: where a row has no token to match or draft
+_OFFSET_BITS = 32  # an index entry: sequence id << 32 | offset of the pair's second token
+_OFFSET_MASK = (1 << _OFFSET_BITS) - 1
 
 
 class SuffixDrafter:
@@ -42,116 +51,242 @@ class SuffixDrafter:
         self.max_cached = max_cached_requests
         self.factor = max_spec_factor
         self.min_prob = min_token_prob
-        # ("row", r, n): the n-th request on row r, live; ("done", n): the n-th that ended.
-        # Lists: matching reads single tokens, which a numpy array hands out ten times slower.
-        self._sequences: dict[object, list[int]] = {}
-        self._live: dict[int, tuple] = {}  # row -> its live key
-        self._indexed: dict[object, int] = {}  # tokens of each sequence in the index
-        self._index: defaultdict[tuple[int, int], list[tuple[object, int]]] = defaultdict(list)
-        self._finished: OrderedDict[object, None] = OrderedDict()  # oldest first
-        self._ended = 0
+        # Positions below ``depth`` hold END, so a backward read from any sequence stays
+        # inside the arena; the arena always ends with END, where forward reads are clipped.
+        self._arena = np.full(1 << 12, END, np.int32)  # grows as needed
+        self._top = self.depth + 1  # where the next sequence's leading END goes
+        self._base = np.full(64, -1, np.int64)  # by sequence id: its first token's position
+        self._length: dict[int, int] = {}  # by id, the sequences kept
+        self._room: dict[int, int] = {}  # by id, the tokens its place holds
+        self._live: dict[int, int] = {}  # row -> its sequence id
+        self._finished: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._next_id = 0
+        self._index: dict[tuple[int, int], list[int]] = {}
         self._entries = 0  # in the index, forgotten sequences' included
 
+    # ------------------------------------------------------------------ the contract
     def propose(self, rows: list[int], tokens: list[np.ndarray], ks: list[int]) -> list[np.ndarray]:
-        out = []
-        for row, tokens_so_far, k in zip(rows, tokens, ks, strict=True):
-            key = self._live.get(row)
-            seq = self._sequences.get(key)
-            held = 0 if seq is None else len(seq)
-            # A live row's tokens only grow; others (a replay's) start the row afresh.
-            grown = len(tokens_so_far) >= held and (not held or tokens_so_far[held - 1] == seq[-1])
-            if seq is None or not grown:
-                self._sequences.pop(key, None)
-                self._indexed.pop(key, None)
-                self._ended += 1
-                key = self._live[row] = ("row", row, self._ended)
-                seq, held = self._sequences.setdefault(key, []), 0
-            seq.extend(tokens_so_far[held:].tolist())
-            self._extend_index(key, seq)
-            out.append(self._draft(key, seq, k))
+        ids = [self._hold(row, held) for row, held in zip(rows, tokens, strict=True)]
+        out = [np.zeros(0, np.int64) for _ in rows]
+        drafting = [i for i, k in enumerate(ks) if k > 0 and len(tokens[i]) >= 2]
+        if not drafting:
+            return out
+        found: list[int] = []
+        counts = []
+        arena, base = self._arena, self._base
+        for i in drafting:
+            end = int(base[ids[i]]) + len(tokens[i])  # the row's tokens as held
+            occurrences = self._index.get(tuple(arena[end - 2 : end].tolist()), [])
+            occurrences = occurrences[-MAX_CANDIDATES:]
+            found.extend(reversed(occurrences))
+            counts.append(len(occurrences))
+        drafts = self._draft(
+            np.array([ids[i] for i in drafting], np.int64),
+            np.array([len(tokens[i]) for i in drafting], np.int64),
+            np.array([ks[i] for i in drafting], np.int64),
+            np.array(found, np.int64),
+            np.array(counts, np.int64),
+        )
+        for i, draft in zip(drafting, drafts, strict=True):
+            out[i] = draft
         return out
 
     def release(self, row: int, tokens: np.ndarray) -> None:
         """The row's sequence joins the finished ones (the oldest are forgotten)."""
         live = self._live.pop(row, None)
-        self._sequences.pop(live, None)
-        self._indexed.pop(live, None)
         if self.max_cached == 0 or len(tokens) < 2:
+            self._forget(live)
             return
-        self._ended += 1
-        key = ("done", self._ended)
-        self._sequences[key] = np.asarray(tokens).tolist()
-        self._extend_index(key, self._sequences[key])
-        self._finished[key] = None
+        seq = self._extend(live, np.asarray(tokens))
+        self._finished[seq] = None
         while len(self._finished) > self.max_cached:
             old, _ = self._finished.popitem(last=False)
-            self._sequences.pop(old, None)
-            self._indexed.pop(old, None)
-        if self._entries > 2 * sum(self._indexed.values()) + 4096:
+            self._forget(old)
+        if self._entries > 2 * sum(self._length.values()) + 4096:
             self._compact()
 
-    def _extend_index(self, key: object, seq: list[int]) -> None:
-        start = max(self._indexed.get(key, 0), 1)
-        if start >= len(seq):
-            return
-        tail = seq[start - 1 :]
-        index = self._index
-        for offset, pair in enumerate(zip(tail, tail[1:], strict=False)):
-            index[pair].append((key, start + offset))  # where the pair's second token is
-        self._entries += len(tail) - 1
-        self._indexed[key] = len(seq)
+    # ------------------------------------------------------------------ sequences
+    def _hold(self, row: int, tokens: np.ndarray) -> int:
+        """The row's sequence id, its tokens now ``tokens``: a live row's tokens only grow
+        (tokens that end as the row's held do are taken for them, grown); others (a
+        replay's) start the row afresh."""
+        seq = self._extend(self._live.get(row), tokens, whole=False)
+        self._live[row] = seq
+        return seq
 
-    def _draft(self, key: object, seq: list[int], k: int) -> np.ndarray:
-        n = len(seq)
-        if n < 2 or k <= 0:
-            return np.zeros(0, np.int64)
-        found = self._index.get((seq[-2], seq[-1]), [])
-        matches: list[tuple[int, list[int], int]] = []  # (matched length, sequence, end)
-        longest = 0
-        for where, end in reversed(found[-MAX_CANDIDATES:]):
-            other = self._sequences.get(where)
-            if other is None or (where == key and end >= n - 1):
-                continue  # a forgotten sequence, or the row's own last tokens
-            # The tokens before the pair match back to ``length`` (at most ``most``); quoted
-            # text mostly matches all the way, which one slice comparison finds.
-            most = min(self.depth, end + 1, n)
-            if most > 2 and other[end + 1 - most : end + 1] == seq[n - most :]:
-                length = most
+    def _extend(self, seq: int | None, tokens: np.ndarray, whole: bool = True) -> int:
+        """``seq`` grown to ``tokens`` and indexed, where they start with its tokens (where
+        they end as its do, unless ``whole``); else a new sequence of ``tokens`` (``seq``
+        forgotten)."""
+        held = 0 if seq is None else self._length[seq]
+        if seq is not None and held and len(tokens) >= held:
+            base = int(self._base[seq])
+            if self._arena[base + held - 1] != tokens[held - 1] or (
+                whole and not np.array_equal(self._arena[base : base + held], tokens[:held])
+            ):
+                self._forget(seq)
+                seq = None
+        elif seq is not None:
+            self._forget(seq)
+            seq = None
+        if seq is None:
+            seq, held = self._new_sequence(len(tokens)), 0
+        n = len(tokens)
+        if n == held:
+            return seq
+        if n > self._room[seq]:
+            self._move(seq, 2 * n)
+        base = int(self._base[seq])
+        self._arena[base + held : base + n] = tokens[held:]
+        self._length[seq] = n
+        start = max(held, 1)
+        tail = tokens[start - 1 :].tolist()
+        index, code = self._index, (seq << _OFFSET_BITS) + start
+        for offset, pair in enumerate(zip(tail, tail[1:], strict=False)):
+            entries = index.get(pair)
+            if entries is None:
+                index[pair] = [code + offset]
             else:
-                length = 2
-                while length < most and other[end - length] == seq[n - 1 - length]:
-                    length += 1
-            if length > longest:
-                longest, matches = length, []
-            if length == longest:
-                matches.append((length, other, end))
-        if not matches:
-            return np.zeros(0, np.int64)
-        limit = min(k, max(1, math.floor(self.factor * longest)))
-        draft: list[int] = []
-        for j in range(1, limit + 1):
-            votes: dict[int, int] = {}
-            for _, other, end in matches:
-                if end + j < len(other):
-                    token = other[end + j]
-                    votes[token] = votes.get(token, 0) + 1
-            if not votes:
-                break
-            token, count = max(votes.items(), key=lambda kv: kv[1])
-            if count / len(matches) < self.min_prob:
-                break
-            draft.append(token)
-            matches = [m for m in matches if m[2] + j < len(m[1]) and m[1][m[2] + j] == token]
-        return np.array(draft, np.int64)
+                entries.append(code + offset)
+        self._entries += len(tail) - 1
+        return seq
+
+    def _new_sequence(self, length: int) -> int:
+        seq = self._next_id
+        self._next_id += 1
+        if seq >= len(self._base):
+            self._base = np.concatenate([self._base, np.full(len(self._base), -1, np.int64)])
+        self._base[seq] = self._place(max(2 * length, 64))
+        self._room[seq] = max(2 * length, 64)
+        self._length[seq] = 0
+        return seq
+
+    def _place(self, room: int) -> int:
+        """A place for ``room`` tokens at the arena's top: the position of its first."""
+        need = self._top + 1 + room + 1  # its END, its tokens, the arena's last END
+        if need > len(self._arena):
+            grown = np.full(max(2 * len(self._arena), need), END, np.int32)
+            grown[: self._top] = self._arena[: self._top]
+            self._arena = grown
+        base = self._top + 1
+        self._top = base + room
+        return base
+
+    def _move(self, seq: int, room: int) -> None:
+        old, n = int(self._base[seq]), self._length[seq]
+        base = self._place(room)
+        self._arena[base : base + n] = self._arena[old : old + n]
+        self._arena[old : old + self._room[seq]] = END
+        self._base[seq], self._room[seq] = base, room
+
+    def _forget(self, seq: int | None) -> None:
+        if seq is None or seq not in self._length:
+            return
+        base = int(self._base[seq])
+        self._arena[base : base + self._room.pop(seq)] = END
+        self._base[seq] = -1
+        del self._length[seq]
 
     def _compact(self) -> None:
-        """Drop index entries of forgotten sequences."""
-        live = self._sequences
+        """Drop index entries of forgotten sequences, and their places in the arena."""
+        kept = sorted(self._length)
+        renumber = {old: new for new, old in enumerate(kept)}
+        top = self.depth + 1
+        size = top + sum(1 + room for room in self._room.values()) + 1
+        arena = np.full(max(1 << 12, 2 * size), END, np.int32)
+        base = np.full(max(64, 2 * len(kept)), -1, np.int64)
+        for old, new in renumber.items():
+            start, n = int(self._base[old]), self._length[old]
+            room = self._room[old]
+            base[new] = top + 1
+            arena[top + 1 : top + 1 + n] = self._arena[start : start + n]
+            top += 1 + room
+        self._arena, self._top, self._base = arena, top, base
+        self._length = {renumber[old]: n for old, n in self._length.items()}
+        self._room = {renumber[old]: room for old, room in self._room.items()}
+        self._live = {row: renumber[seq] for row, seq in self._live.items()}
+        self._finished = OrderedDict((renumber[seq], None) for seq in self._finished)
+        self._next_id = len(kept)
         self._entries = 0
         for pair in list(self._index):
-            kept = [entry for entry in self._index[pair] if entry[0] in live]
-            if kept:
-                self._index[pair] = kept
-                self._entries += len(kept)
+            entries = [
+                (renumber[code >> _OFFSET_BITS] << _OFFSET_BITS) | (code & _OFFSET_MASK)
+                for code in self._index[pair]
+                if code >> _OFFSET_BITS in renumber
+            ]
+            if entries:
+                self._index[pair] = entries
+                self._entries += len(entries)
             else:
                 del self._index[pair]
+
+    # ------------------------------------------------------------------ drafting
+    def _draft(
+        self,
+        own: np.ndarray,
+        lengths: np.ndarray,
+        ks: np.ndarray,
+        found: np.ndarray,
+        counts: np.ndarray,
+    ) -> list[np.ndarray]:
+        """Drafts for rows of sequences ``own`` [R] (``lengths`` tokens each, up to ``ks``
+        drafts), from ``found``: the candidates' index entries, ``counts[r]`` of row r's
+        in a run, the most recent first."""
+        arena, depth, rows = self._arena, self.depth, len(own)
+        row_of = np.repeat(np.arange(rows), counts)
+        seq, end = found >> _OFFSET_BITS, found & _OFFSET_MASK
+        base = self._base[seq]
+        # A forgotten sequence's, or the row's own last two tokens, are no candidates.
+        valid = (base >= 0) & ~((seq == own[row_of]) & (end >= lengths[row_of] - 1))
+        at = np.where(valid, base + end, depth)  # depth: a position every read stays inside
+        back = np.arange(depth)
+        own_end = self._base[own] + lengths - 1
+        mine = np.where(back < lengths[:, None], arena[own_end[:, None] - back], _NO_TOKEN)
+        differs = arena[at[:, None] - back] != mine[row_of]
+        matched = np.where(differs.any(axis=1), differs.argmax(axis=1), depth)
+        matched = np.where(valid, matched, 0)
+        longest = np.zeros(rows, np.int64)
+        np.maximum.at(longest, row_of, matched)
+        keep = (matched == longest[row_of]) & (matched > 0)
+        limits = np.where(
+            longest > 0,
+            np.minimum(ks, np.maximum(1, np.floor(self.factor * longest).astype(np.int64))),
+            0,
+        )
+        return self._vote(row_of[keep], at[keep], limits)
+
+    def _vote(self, row_of: np.ndarray, at: np.ndarray, limits: np.ndarray) -> list[np.ndarray]:
+        """Position by position, each row's matches (at ``at``, of row ``row_of``) vote on
+        what follows; the winner is drafted while its share is at least ``min_prob``."""
+        arena, last = self._arena, len(self._arena) - 1
+        rows = len(limits)
+        drafts = np.zeros((rows, int(limits.max(initial=0))), np.int64)
+        drafted = np.zeros(rows, np.int64)
+        going = limits > 0
+        for j in range(1, drafts.shape[1] + 1):
+            going &= limits >= j
+            voters = going[row_of]
+            row_of, at = row_of[voters], at[voters]
+            if not len(at):
+                break
+            token = arena[np.minimum(at + j, last)].astype(np.int64)
+            surviving = np.bincount(row_of, minlength=rows)
+            present = token != END
+            key = (row_of[present] << _OFFSET_BITS) | token[present]
+            keys, first, votes = np.unique(key, return_index=True, return_counts=True)
+            voted_row = keys >> _OFFSET_BITS
+            # per row: the most votes, then the earliest (the most recent occurrence's)
+            order = np.lexsort((first, -votes, voted_row))
+            leads = np.ones(len(order), bool)  # each row's first in that order
+            leads[1:] = voted_row[order][1:] != voted_row[order][:-1]
+            winners = order[leads]
+            winner_row, winner_votes = voted_row[winners], votes[winners]
+            wins = winner_votes / surviving[winner_row] >= self.min_prob
+            choice = np.full(rows, _NO_TOKEN, np.int64)
+            choice[winner_row[wins]] = keys[winners[wins]] & _OFFSET_MASK
+            going &= choice != _NO_TOKEN
+            drafts[going, j - 1] = choice[going]
+            drafted[going] = j
+            alive = token == choice[row_of]
+            row_of, at = row_of[alive], at[alive]
+        return [drafts[r, : drafted[r]] for r in range(rows)]
