@@ -294,3 +294,19 @@ def test_the_speculation_phase_verifies_accepted_and_rejected_drafts_on_the_cpu(
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["variant"] for r in records] == list(gpu_spec.VARIANTS)
     assert all(r["verify_steps"] > 0 and 0 < r["acceptance"] < 1 for r in records)
+
+
+def test_the_speculation_phase_measures_each_method_against_off_on_the_cpu(capsys):
+    """Tokens/s and device idle for plain decoding and for each method at every batch size
+    (the tiny shape; on the GPU, smollm2-135m)."""
+    from async_engine.bench import gpu_spec
+
+    assert gpu_spec.main(["--device", "cpu", "--checks", "speed", "--shape", "tiny"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    want = [(m, b) for m in gpu_spec.SPEED_METHODS for b in gpu_spec.BATCHES]
+    assert [(r["method"], r["batch"]) for r in records] == want
+    for r in records:
+        assert r["ok"] and r["tokens_per_s"] > 0 and r["off_tokens_per_s"] > 0
+        assert 0 <= r["device_idle"] <= 1 and 0 <= r["off_device_idle"] <= 1
+    for method in gpu_spec.SPEED_METHODS:
+        assert sum(r["verify_steps"] for r in records if r["method"] == method) > 0

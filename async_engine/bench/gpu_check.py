@@ -64,12 +64,12 @@ COMPILE = [
 # call's 10 minutes, with a machine's start inside a 15-minute lease.
 PHASES: dict[str, tuple[list[str], int]] = {
     "compile": (COMPILE, 120),
-    "kernels": (_module("gpu_kernels"), 90),
+    "kernels": (_module("gpu_kernels"), 70),
     "identity": (_module("gpu_identity"), 140),
     "pytest-cuda": ([sys.executable, *PYTEST_CUDA], 50),
     "bench": (_module("gpu_bench"), 140),
     "profile": (_module("gpu_profile"), 50),
-    "speculation": (_module("gpu_spec"), 90),
+    "speculation": (_module("gpu_spec"), 110),
 }
 # Which phases need a CUDA device (reported "skipped: no GPU" without one), and which run only
 # without one (on a GPU host the kernels phase compiles and runs the same kernels for real).

@@ -1,8 +1,9 @@
 """The speculation phase of ``make gpu-check``: greedy tokens identical with and without
 speculative decoding on the device (float32; n-gram drafts with overlap on and the verify
 steps in CUDA graphs, overlap off, graphs off; suffix drafts made ahead on the host over the
-steps in flight, overlap on), then tokens/s with and without it at batch 1, 16 and 64 (bf16,
-reported, not judged). Seven engine starts in all: each engine runs every batch it can.
+steps in flight, overlap on), then tokens/s and device idle with and without it (n-gram and
+suffix) at batch 1, 16 and 64 (bf16, reported, not judged). Eight engine starts in all: each
+engine runs every batch it can.
 
 The GPU host has no tokenizer of the default model, so the workload is random prompts on
 random weights written on the spot: the model's body with a vocabulary of ``VOCAB`` tokens
@@ -43,6 +44,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "graphs-off": ({"cuda_graphs": False}, SPEC),
     "suffix-overlap-on": ({}, SUFFIX),
 }
+SPEED_METHODS = {"ngram": SPEC, "suffix": SUFFIX}
 BATCHES = (1, 16, 64)
 VOCAB = 1024
 WEIGHT_STD = 0.035
@@ -85,6 +87,7 @@ def _measured(before: dict, after: dict, outs: list, seconds: float) -> dict:
 
     drafts, draft_tokens = grew("spec_num_drafts"), grew("spec_num_draft_tokens")
     accepted, steps = grew("spec_num_accepted_tokens"), grew("spec_verify_steps")
+    idle = grew("device_idle_seconds")
     return {
         "tokens": [o.token_ids for o in outs],
         "tokens_per_s": sum(len(o.token_ids) for o in outs) / seconds,
@@ -93,6 +96,8 @@ def _measured(before: dict, after: dict, outs: list, seconds: float) -> dict:
         "verify_steps": steps,
         "gated_steps": grew("spec_gated_steps"),
         "verify_extra_ms": 1e3 * grew("spec_verify_extra_device_seconds") / max(1, steps),
+        # the device's share of the run spent waiting for a plan while requests had work
+        "device_idle": idle / max(idle + grew("device_busy_seconds"), 1e-9),
     }
 
 
@@ -133,21 +138,27 @@ def speed(folder: Path, device: str, vocab: int) -> bool:
     batches = [prompts(vocab, 2 * size, seed=size) for size in BATCHES]
     options = {"device": device, "dtype": "bfloat16"}
     off = attempt(folder, options, batches, 128)
-    on = attempt(folder, {**options, "speculative_config": SPEC}, batches, 128)
-    errors = [r for r in (off, on) if isinstance(r, str)]
-    if errors:
-        emit({"check": "speed", "device": device, "ok": False, "error": errors[0]})
-        return False
-    for size, plain, spec in zip(BATCHES, off, on, strict=True):
-        emit({"check": "speed", "batch": size, "device": device, "ok": True,
-              "off_tokens_per_s": round(plain["tokens_per_s"], 1),
-              "ngram_tokens_per_s": round(spec["tokens_per_s"], 1),
-              "ratio": round(spec["tokens_per_s"] / plain["tokens_per_s"], 3),
-              "acceptance": round(spec["acceptance"], 3),
-              "accepted_length": round(spec["accepted_length"], 2),
-              "verify_steps": spec["verify_steps"], "gated_steps": spec["gated_steps"],
-              "verify_extra_ms": round(spec["verify_extra_ms"], 3)})  # fmt: skip
-    return True
+    ok = True
+    for method, config in SPEED_METHODS.items():
+        on = attempt(folder, {**options, "speculative_config": config}, batches, 128)
+        errors = [r for r in (off, on) if isinstance(r, str)]
+        if errors:
+            emit({"check": "speed", "method": method, "device": device, "ok": False,
+                  "error": errors[0]})  # fmt: skip
+            ok = False
+            continue
+        for size, plain, spec in zip(BATCHES, off, on, strict=True):
+            emit({"check": "speed", "method": method, "batch": size, "device": device,
+                  "ok": True, "off_tokens_per_s": round(plain["tokens_per_s"], 1),
+                  "tokens_per_s": round(spec["tokens_per_s"], 1),
+                  "ratio": round(spec["tokens_per_s"] / plain["tokens_per_s"], 3),
+                  "off_device_idle": round(plain["device_idle"], 4),
+                  "device_idle": round(spec["device_idle"], 4),
+                  "acceptance": round(spec["acceptance"], 3),
+                  "accepted_length": round(spec["accepted_length"], 2),
+                  "verify_steps": spec["verify_steps"], "gated_steps": spec["gated_steps"],
+                  "verify_extra_ms": round(spec["verify_extra_ms"], 3)})  # fmt: skip
+    return ok
 
 
 def main(argv: list[str] | None = None) -> int:
