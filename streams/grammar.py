@@ -16,15 +16,43 @@ the engine's process wrote of it: ``TokenizerSource``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import tempfile
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+
+TEXT_FILE_PREFIX = "async-engine-tokenizer-"
+
+
+def new_text_file(directory: str | None = None) -> str:
+    """A path for an engine's ``TokenizerText``, named by this process; files of processes
+    that ended without removing theirs (killed, crashed) are removed on the way."""
+    directory = directory or tempfile.gettempdir()
+    for name in os.listdir(directory):
+        if not name.startswith(TEXT_FILE_PREFIX):
+            continue
+        owner = name[len(TEXT_FILE_PREFIX) :].split("-", 1)[0]
+        if owner.isdigit() and not _alive(int(owner)):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, name))
+    return os.path.join(directory, f"{TEXT_FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.json")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,10 +4,19 @@ request, read by the device process instead of loading transformers."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from async_engine import LLM, SamplingParams
-from streams.grammar import Grammars, TokenizerSource, TokenizerText
+from streams.grammar import (
+    TEXT_FILE_PREFIX,
+    Grammars,
+    TokenizerSource,
+    TokenizerText,
+    new_text_file,
+)
 
 
 def test_the_saved_text_is_what_transformers_loads(default_model: Path, tmp_path: Path):
@@ -48,3 +57,17 @@ def test_an_engine_leaves_the_text_for_its_device_and_removes_it_at_close(defaul
         out = llm.generate(["A JSON object:"], params)[0]
         assert written.exists() and out.token_ids
     assert not written.exists()
+
+
+def test_a_new_text_file_removes_those_of_processes_that_ended(tmp_path: Path):
+    code = "import os; print(os.getpid())"
+    dead = int(subprocess.run([sys.executable, "-c", code], capture_output=True).stdout)
+    ended = f"{TEXT_FILE_PREFIX}{dead}-abc.json"
+    left = [tmp_path / ended, tmp_path / f"{ended}x1y2"]  # its text, and a partial write of it
+    kept = [tmp_path / f"{TEXT_FILE_PREFIX}{os.getpid()}-def.json", tmp_path / "other.json"]
+    for path in left + kept:
+        path.write_text("{}")
+    made = Path(new_text_file(str(tmp_path)))
+    assert made.parent == tmp_path and made.name.startswith(f"{TEXT_FILE_PREFIX}{os.getpid()}-")
+    assert not any(path.exists() for path in left)
+    assert all(path.exists() for path in kept)

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import tempfile
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
-from uuid import uuid4
 
 from async_engine.core import group
 from async_engine.core.config import EngineConfig
@@ -42,6 +40,7 @@ from async_engine.model import load_model_config, resolve_model
 from blockalloc import BlockPool
 from sampler.params import SamplingParams
 from streams.device import Device
+from streams.grammar import new_text_file
 from streams.plan import StepPlan, StepResult
 
 
@@ -68,7 +67,7 @@ class AsyncEngine:
         )
         # The tokenizer's text for llguidance, written on the first structured request: the
         # device process then reads it instead of loading transformers (streams.grammar).
-        self.tokenizer_text = str(Path(tempfile.gettempdir(), f"async-engine-{uuid4().hex}.json"))
+        self.tokenizer_text = new_text_file()
         # The tokenizer loads (about a second) while the device process starts (seconds).
         with ThreadPoolExecutor(1, "tokenizer-load") as pool:
             loading = pool.submit(Tokenizer, folder) if has_tokenizer else None
