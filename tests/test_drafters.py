@@ -140,9 +140,9 @@ def test_suffix_drafts_at_most_k(k):
 class SuffixByHand:
     """Suffix decoding's definition, token by token: the drafter drafts as this does.
 
-    Every pair of consecutive tokens indexed, in the order the drafter indexes them (each
-    call's rows in turn, then a release's), forgotten sequences' pairs included: of the
-    occurrences of a row's last pair, the ``MAX_CANDIDATES`` most recent are looked at."""
+    Every pair of consecutive tokens of the sequences kept, in the order the drafter indexes
+    them (each call's rows in turn, then a release's): of the occurrences of a row's last
+    pair, the ``MAX_CANDIDATES`` most recent are looked at."""
 
     def __init__(self, depth: int, max_cached: int, factor: float, min_prob: float) -> None:
         self.depth, self.max_cached = depth, max_cached
@@ -158,7 +158,7 @@ class SuffixByHand:
         held = self.sequences.get(seq, [])
         grows = held and len(tokens) >= len(held) and tokens[len(held) - 1] == held[-1]
         if not grows or (whole and tokens[: len(held)] != held):
-            self.sequences.pop(seq, None)
+            self._forget(seq)
             self.made += 1
             seq, held = self.made, []
             self.sequences[seq] = held
@@ -176,11 +176,15 @@ class SuffixByHand:
     def release(self, row, tokens):
         live = self.live.pop(row, None)
         if self.max_cached == 0 or len(tokens) < 2:
-            self.sequences.pop(live, None)
+            self._forget(live)
             return
         self.finished.append(self._grow(live, tokens.tolist(), whole=True))
         while len(self.finished) > self.max_cached:
-            self.sequences.pop(self.finished.pop(0), None)
+            self._forget(self.finished.pop(0))
+
+    def _forget(self, seq: int | None) -> None:
+        self.sequences.pop(seq, None)
+        self.order = [entry for entry in self.order if entry[1] != seq]
 
     def _draft(self, own: int, k: int) -> list[int]:
         seq = self.sequences[own]
@@ -190,7 +194,7 @@ class SuffixByHand:
         found = [(s, e) for pair, s, e in self.order if pair == (seq[-2], seq[-1])]
         matches = []
         for s, e in reversed(found[-MAX_CANDIDATES:]):
-            if s not in self.sequences or (s == own and e >= n - 1):
+            if s == own and e >= n - 1:
                 continue
             length, most = 0, min(self.depth, e + 1, n)
             while length < most and self._at(s, e - length) == seq[n - 1 - length]:
@@ -274,19 +278,23 @@ def test_suffix_looks_only_at_the_most_recent_occurrences():
     assert drafter.propose([101], [a(9, 1, 2)], [1])[0].tolist() == [3]
 
 
-def test_suffix_drafts_the_same_once_forgotten_requests_are_compacted_away():
-    """Forgetting thousands of finished requests' tokens compacts the drafter's index and
-    store; what it drafts is what a drafter that only saw the kept requests drafts."""
+def test_forgotten_requests_leave_nothing_behind():
+    """What a drafter that forgot thousands of finished requests' tokens holds and drafts is
+    what a drafter that only saw the requests kept holds and drafts."""
     rng = np.random.default_rng(0)
     requests = [rng.integers(0, 50, 300) for _ in range(40)]
     long_lived, fresh = suffix(max_cached_requests=3), suffix(max_cached_requests=3)
     live = rng.integers(0, 50, 2000)  # a row that lives through it all, growing
     for drafter, ended in ((long_lived, requests), (fresh, requests[-3:])):
         drafter.propose([7], [live[:1000]], [4])
-        for row, tokens in enumerate(ended):
+        for row, tokens in enumerate(ended, start=100):  # rows other than the live one's
             drafter.release(row, tokens)
-    kept = sum(len(entries) for entries in fresh._index.values())
-    assert sum(len(entries) for entries in long_lived._index.values()) <= 2 * kept + 4096
+
+    def held(drafter: SuffixDrafter) -> dict:
+        return {pair: len(entries) for pair, entries in drafter._index.items()}
+
+    assert held(long_lived) == held(fresh)
+    assert long_lived._top <= 2 * fresh._top + 2 * 600  # given-up places are packed away
     for quote in (requests[-1][100:140], requests[-3][:20], live[500:530], requests[0][50:80]):
         tokens = np.concatenate([live[:1000], quote])
         want = fresh.propose([7], [tokens], [6])[0].tolist()

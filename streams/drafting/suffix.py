@@ -14,7 +14,10 @@ share of the surviving matches is at least ``min_token_prob``, and for at most
 A call drafts for all its rows at once, in numpy: every sequence's tokens are kept in one
 int32 arena, each after a -1 (a backward match stops there) and followed by -1s (room to
 grow; a continuation stops there), so a step's candidates are matched and vote as arrays,
-not token by token in Python. Every row's new tokens are indexed before any row drafts.
+not token by token in Python. Every row's new tokens are indexed before any row drafts. A
+forgotten sequence's entries leave the index with it (they are among the oldest of their
+lists), its id is reused and its place in the arena packed away once given-up places fill
+half of it: no pause to sweep the whole index, however long the engine serves.
 """
 
 from __future__ import annotations
@@ -60,9 +63,10 @@ class SuffixDrafter:
         self._room: dict[int, int] = {}  # by id, the tokens its place holds
         self._live: dict[int, int] = {}  # row -> its sequence id
         self._finished: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._free: list[int] = []  # ids of forgotten sequences, to reuse
         self._next_id = 0
+        self._held_room = 0  # the places of the sequences kept, their leading END included
         self._index: dict[tuple[int, int], list[int]] = {}
-        self._entries = 0  # in the index, forgotten sequences' included
 
     # ------------------------------------------------------------------ the contract
     def propose(self, rows: list[int], tokens: list[np.ndarray], ks: list[int]) -> list[np.ndarray]:
@@ -102,8 +106,6 @@ class SuffixDrafter:
         while len(self._finished) > self.max_cached:
             old, _ = self._finished.popitem(last=False)
             self._forget(old)
-        if self._entries > 2 * sum(self._length.values()) + 4096:
-            self._compact()
 
     # ------------------------------------------------------------------ sequences
     def _hold(self, row: int, tokens: np.ndarray) -> int:
@@ -148,22 +150,28 @@ class SuffixDrafter:
                 index[pair] = [code + offset]
             else:
                 entries.append(code + offset)
-        self._entries += len(tail) - 1
         return seq
 
     def _new_sequence(self, length: int) -> int:
-        seq = self._next_id
-        self._next_id += 1
-        if seq >= len(self._base):
-            self._base = np.concatenate([self._base, np.full(len(self._base), -1, np.int64)])
-        self._base[seq] = self._place(max(2 * length, 64))
-        self._room[seq] = max(2 * length, 64)
-        self._length[seq] = 0
+        if self._free:
+            seq = self._free.pop()
+        else:
+            seq, self._next_id = self._next_id, self._next_id + 1
+            if seq >= len(self._base):
+                grown = np.full(2 * len(self._base), -1, np.int64)
+                grown[: len(self._base)] = self._base
+                self._base = grown
+        room = max(2 * length, 64)
+        self._base[seq], self._room[seq], self._length[seq] = self._place(room), room, 0
+        self._held_room += 1 + room
         return seq
 
     def _place(self, room: int) -> int:
         """A place for ``room`` tokens at the arena's top: the position of its first."""
         need = self._top + 1 + room + 1  # its END, its tokens, the arena's last END
+        if need > len(self._arena) and self._top > 2 * self._held_room:
+            self._pack()  # more than half of it is places given up
+            need = self._top + 1 + room + 1
         if need > len(self._arena):
             grown = np.full(max(2 * len(self._arena), need), END, np.int32)
             grown[: self._top] = self._arena[: self._top]
@@ -172,53 +180,44 @@ class SuffixDrafter:
         self._top = base + room
         return base
 
+    def _pack(self) -> None:
+        """The sequences kept moved to the arena's start, in order, with their room."""
+        arena = np.full(len(self._arena), END, np.int32)
+        top = self.depth + 1
+        for seq, room in self._room.items():
+            old, n = int(self._base[seq]), self._length[seq]
+            arena[top + 1 : top + 1 + n] = self._arena[old : old + n]
+            self._base[seq] = top + 1
+            top += 1 + room
+        self._arena, self._top = arena, top
+
     def _move(self, seq: int, room: int) -> None:
-        old, n = int(self._base[seq]), self._length[seq]
+        n = self._length[seq]
         base = self._place(room)
+        old = int(self._base[seq])  # placing may have packed the arena
         self._arena[base : base + n] = self._arena[old : old + n]
         self._arena[old : old + self._room[seq]] = END
+        self._held_room += room - self._room[seq]
         self._base[seq], self._room[seq] = base, room
 
     def _forget(self, seq: int | None) -> None:
+        """The sequence and its index entries dropped (its id and place free again)."""
         if seq is None or seq not in self._length:
             return
-        base = int(self._base[seq])
-        self._arena[base : base + self._room.pop(seq)] = END
+        base, n, room = int(self._base[seq]), self._length.pop(seq), self._room.pop(seq)
+        tokens = self._arena[base : base + n].tolist()
+        index, code = self._index, seq << _OFFSET_BITS
+        # Its entries are among the oldest of their lists, so found near the front.
+        for end in range(1, n):
+            pair = (tokens[end - 1], tokens[end])
+            entries = index[pair]
+            entries.remove(code + end)
+            if not entries:
+                del index[pair]
+        self._arena[base : base + room] = END
         self._base[seq] = -1
-        del self._length[seq]
-
-    def _compact(self) -> None:
-        """Drop index entries of forgotten sequences, and their places in the arena."""
-        kept = sorted(self._length)
-        renumber = {old: new for new, old in enumerate(kept)}
-        top = self.depth + 1
-        size = top + sum(1 + room for room in self._room.values()) + 1
-        arena = np.full(max(1 << 12, 2 * size), END, np.int32)
-        base = np.full(max(64, 2 * len(kept)), -1, np.int64)
-        for old, new in renumber.items():
-            start, n = int(self._base[old]), self._length[old]
-            room = self._room[old]
-            base[new] = top + 1
-            arena[top + 1 : top + 1 + n] = self._arena[start : start + n]
-            top += 1 + room
-        self._arena, self._top, self._base = arena, top, base
-        self._length = {renumber[old]: n for old, n in self._length.items()}
-        self._room = {renumber[old]: room for old, room in self._room.items()}
-        self._live = {row: renumber[seq] for row, seq in self._live.items()}
-        self._finished = OrderedDict((renumber[seq], None) for seq in self._finished)
-        self._next_id = len(kept)
-        self._entries = 0
-        for pair in list(self._index):
-            entries = [
-                (renumber[code >> _OFFSET_BITS] << _OFFSET_BITS) | (code & _OFFSET_MASK)
-                for code in self._index[pair]
-                if code >> _OFFSET_BITS in renumber
-            ]
-            if entries:
-                self._index[pair] = entries
-                self._entries += len(entries)
-            else:
-                del self._index[pair]
+        self._held_room -= 1 + room
+        self._free.append(seq)
 
     # ------------------------------------------------------------------ drafting
     def _draft(
