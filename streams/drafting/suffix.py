@@ -66,7 +66,7 @@ class SuffixDrafter:
         self._free: list[int] = []  # ids of forgotten sequences, to reuse
         self._next_id = 0
         self._held_room = 0  # the places of the sequences kept, their leading END included
-        self._index: dict[tuple[int, int], list[int]] = {}
+        self._index: dict[int, list[int]] = {}  # by pair (``_pair_keys``)
 
     # ------------------------------------------------------------------ the contract
     def propose(self, rows: list[int], tokens: list[np.ndarray], ks: list[int]) -> list[np.ndarray]:
@@ -80,7 +80,8 @@ class SuffixDrafter:
         arena, base = self._arena, self._base
         for i in drafting:
             end = int(base[ids[i]]) + len(tokens[i])  # the row's tokens as held
-            occurrences = self._index.get(tuple(arena[end - 2 : end].tolist()), [])
+            first, second = arena[end - 2 : end].tolist()
+            occurrences = self._index.get(first << _OFFSET_BITS | second, [])
             occurrences = occurrences[-MAX_CANDIDATES:]
             found.extend(reversed(occurrences))
             counts.append(len(occurrences))
@@ -142,14 +143,13 @@ class SuffixDrafter:
         self._arena[base + held : base + n] = tokens[held:]
         self._length[seq] = n
         start = max(held, 1)
-        tail = tokens[start - 1 :].tolist()
-        index, code = self._index, (seq << _OFFSET_BITS) + start
-        for offset, pair in enumerate(zip(tail, tail[1:], strict=False)):
+        index, first = self._index, (seq << _OFFSET_BITS) + start
+        for code, pair in enumerate(_pair_keys(tokens[start - 1 :]), first):
             entries = index.get(pair)
             if entries is None:
-                index[pair] = [code + offset]
+                index[pair] = [code]
             else:
-                entries.append(code + offset)
+                entries.append(code)
         return seq
 
     def _new_sequence(self, length: int) -> int:
@@ -205,13 +205,13 @@ class SuffixDrafter:
         if seq is None or seq not in self._length:
             return
         base, n, room = int(self._base[seq]), self._length.pop(seq), self._room.pop(seq)
-        tokens = self._arena[base : base + n].tolist()
-        index, code = self._index, seq << _OFFSET_BITS
+        index = self._index
         # Its entries are among the oldest of their lists, so found near the front.
-        for end in range(1, n):
-            pair = (tokens[end - 1], tokens[end])
+        for code, pair in enumerate(
+            _pair_keys(self._arena[base : base + n]), (seq << _OFFSET_BITS) + 1
+        ):
             entries = index[pair]
-            entries.remove(code + end)
+            entries.remove(code)
             if not entries:
                 del index[pair]
         self._arena[base : base + room] = END
@@ -289,3 +289,15 @@ class SuffixDrafter:
             alive = token == choice[row_of]
             row_of, at = row_of[alive], at[alive]
         return [drafts[r, : drafted[r]] for r in range(rows)]
+
+
+def _pair_keys(tokens: np.ndarray) -> list[int]:
+    """Each pair of consecutive tokens as one int (first << 32 | second): an int hashes
+    faster than a tuple, and numpy makes a long run's at once."""
+    if len(tokens) <= 16:
+        held = tokens.tolist()
+        return [
+            first << _OFFSET_BITS | second for first, second in zip(held, held[1:], strict=False)
+        ]
+    held = tokens.astype(np.int64)
+    return ((held[:-1] << _OFFSET_BITS) | held[1:]).tolist()
