@@ -125,11 +125,12 @@ def test_the_modelled_step_time_is_met(default_model: Path):
     assert float(np.median(spans)) < step_ms + 0.3
 
 
-def two_steps(drafter) -> tuple:
+def two_steps(drafter, step_ms: float = 1.0) -> tuple:
     """A prompt that repeats itself, all but its last token computed, then a step of its last
-    token and 4 draft slots, launched at once (as the pipeline does) on a device of 1 ms a
-    step and 100 us a token; their results."""
-    runner = SimRunner(CostModel(step_ms=1.0, token_us=100.0), 50_000, (2,), 16, 8, drafter)
+    token and 4 draft slots, launched at once (as the pipeline does) on a device of
+    ``step_ms`` a step and 100 us a token; their results."""
+    cost = CostModel(step_ms=step_ms, token_us=100.0)
+    runner = SimRunner(cost, 50_000, (2,), 16, 8, drafter)
     prompt = [7, 8, 9, 10, 7, 8, 9, 10, 7, 8]
     chunk = StepPlan(
         0, int32s([0]), int32s([0]), int32s([9]), int32s([0]), int64s(prompt[:9]),
@@ -144,9 +145,10 @@ def two_steps(drafter) -> tuple:
 
 
 def test_a_device_drafter_verifies_every_slot_inside_a_step_that_follows_at_once():
-    first, second = two_steps(NgramDrafter(prompt_lookup_min=2, prompt_lookup_max=4))
+    # Steps of 50 ms: the second step's layout, on this busy host, ends within the first.
+    first, second = two_steps(NgramDrafter(prompt_lookup_min=2, prompt_lookup_max=4), 50.0)
     assert second.device_start == first.device_end  # no wait for the step before's tokens
-    assert second.device_end - second.device_start == pytest.approx(1e-3 + 5 * 100e-6)
+    assert second.device_end - second.device_start == pytest.approx(50e-3 + 5 * 100e-6)
     assert second.drafted.tolist() == [4]
 
 
