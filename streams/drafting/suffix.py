@@ -122,17 +122,15 @@ class SuffixDrafter:
         they end as its do, unless ``whole``); else a new sequence of ``tokens`` (``seq``
         forgotten)."""
         held = 0 if seq is None else self._length[seq]
-        if seq is not None and held and len(tokens) >= held:
-            base = int(self._base[seq])
-            if self._arena[base + held - 1] != tokens[held - 1] or (
-                whole and not np.array_equal(self._arena[base : base + held], tokens[:held])
-            ):
-                self._forget(seq)
-                seq = None
-        elif seq is not None:
+        base = 0 if seq is None else int(self._base[seq])
+        grows = (
+            held
+            and len(tokens) >= held
+            and self._arena[base + held - 1] == tokens[held - 1]
+            and (not whole or np.array_equal(self._arena[base : base + held], tokens[:held]))
+        )
+        if not grows:
             self._forget(seq)
-            seq = None
-        if seq is None:
             seq, held = self._new_sequence(len(tokens)), 0
         n = len(tokens)
         if n == held:
@@ -234,10 +232,9 @@ class SuffixDrafter:
         arena, depth, rows = self._arena, self.depth, len(own)
         row_of = np.repeat(np.arange(rows), counts)
         seq, end = found >> _OFFSET_BITS, found & _OFFSET_MASK
-        base = self._base[seq]
-        # A forgotten sequence's, or the row's own last two tokens, are no candidates.
-        valid = (base >= 0) & ~((seq == own[row_of]) & (end >= lengths[row_of] - 1))
-        at = np.where(valid, base + end, depth)  # depth: a position every read stays inside
+        # The row's own last two tokens are no candidate (the index holds only kept sequences).
+        valid = ~((seq == own[row_of]) & (end >= lengths[row_of] - 1))
+        at = np.where(valid, self._base[seq] + end, depth)  # depth: every read stays inside
         back = np.arange(depth)
         own_end = self._base[own] + lengths - 1
         mine = np.where(back < lengths[:, None], arena[own_end[:, None] - back], _NO_TOKEN)
