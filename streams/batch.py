@@ -17,6 +17,9 @@ class ForwardBatch:
     context_lens: list[int]  # per sequence: tokens in the KV cache after this step
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
     logits_indices: torch.Tensor  # [S] int64: rows of T whose logits are returned
+    # Per sequence, whether it samples each of its query tokens (a decode or verify row, not a
+    # prompt chunk); None where unknown. The CPU kernels attend such rows as decode does.
+    all_sampled: list[bool] | None = None
     # A prebuilt attention plan (the CUDA runner's, from device tensors): the model then skips
     # planning from the host lists above, which a captured graph could not do.
     attention: Any = None

@@ -97,11 +97,13 @@ def prefill_reference(q, k_cache, v_cache, tables, q_starts, q_lens, ctx_lens):
     return out
 
 
-def prefill_case(dtype, kv_dtype, dim, heads, kv_heads, chunks=((0, 7), (21, 40), (3, 70))):
+def prefill_case(
+    dtype, kv_dtype, dim, heads, kv_heads, chunks=((0, 7), (21, 40), (3, 70)), num_blocks=64
+):
     """Chunks of (cached tokens, new tokens): a fresh prompt, one after a cached prefix, one
     long enough for several tasks. Returns the kernel's arguments but ``out``."""
     gen = torch.Generator().manual_seed(2)
-    block, num_blocks = 16, 64
+    block = 16
     k_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=gen).to(kv_dtype)
     v_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=gen).to(kv_dtype)
     q_lens = torch.tensor([n for _, n in chunks])

@@ -7,6 +7,7 @@ import asyncio
 import json
 from pathlib import Path
 
+from async_engine.bench.agent_workload import conversations
 from async_engine.bench.spec import first_difference_margins
 from async_engine.bench.spec_table import agreement, margin_summary
 from async_engine.cli.main import main
@@ -49,6 +50,34 @@ def test_rounds_below_one_are_refused():
 
     with pytest.raises(SystemExit, match="--rounds"):
         main(["bench", "spec", "--device", "sim", "--rounds", "0"])
+
+
+def test_a_negative_agent_history_is_refused():
+    import pytest
+
+    with pytest.raises(SystemExit, match="--agent-history"):
+        main(["bench", "spec", "--device", "sim", "--agent-history", "-1"])
+
+
+def test_agent_history_puts_earlier_tool_exchanges_before_each_loops_last_turn():
+    plain = conversations(4, seed=5)
+    long = conversations(4, seed=5, history=3)
+    assert plain == conversations(4, seed=5, history=0)  # no history: the workload as it was
+    for short, longer in zip(plain, long, strict=True):
+        assert len(longer) == len(short) + 4 * 3  # asked, called, answered, acknowledged
+        roles = [m["role"] for m in longer[1:]]
+        assert roles == ["user", "assistant"] * (len(roles) // 2) + ["user"]  # alternating
+        results = [m["content"] for m in longer[1:13] if m["content"].startswith("Tool result")]
+        assert len(results) == 3
+        assert longer[-1]["content"].startswith("Tool result")  # still ends asking for a quote
+
+
+def test_the_loops_of_one_session_share_their_earlier_exchanges():
+    loops = conversations(8, seed=5, history=2)
+    earlier = [loop[1:9] for loop in loops]
+    assert earlier[0] == earlier[1] == earlier[2] == earlier[3]  # one session
+    assert earlier[4] == earlier[7] and earlier[4] != earlier[0]  # the next
+    assert len({str(loop[9:]) for loop in loops}) == 8  # each loop's own last turn
 
 
 def test_agreement_counts_positions_up_to_each_first_difference():

@@ -14,6 +14,8 @@ from cpu_kernel_cases import (
     decode_case,
     decode_reference,
     needs_compiler,
+    prefill_case,
+    prefill_reference,
     switch_isa,
 )
 
@@ -86,6 +88,99 @@ def test_decode_handles_one_kv_head_and_large_query_groups(isa, dtype, kv_dtype,
     torch.testing.assert_close(
         got.float(), decode_reference(q, k, v, tables, lens), atol=tol, rtol=tol
     )
+
+
+@needs_compiler
+@pytest.mark.parametrize(("dtype", "kv_dtype"), DECODE_TYPES, ids=_ids(DECODE_TYPES))
+@pytest.mark.parametrize("kv_heads", [1, 3])
+@pytest.mark.parametrize("length", [255, 700, 1900])
+def test_decode_of_one_sequence_over_a_long_context_equals_the_reference(
+    isa, dtype, kv_dtype, kv_heads, length
+):
+    """Fewer (sequence, KV head) tasks than threads want: the context is split into parts,
+    each attended apart, and merged."""
+    if not cpu_kernels.decode_supported(dtype, kv_dtype, 64):
+        pytest.skip(f"no {dtype} over {kv_dtype} kernel for head_dim 64 on {isa}")
+    q, k, v, tables, lens = decode_case(
+        dtype, kv_dtype, heads=3 * kv_heads, kv_heads=kv_heads, dim=64, block=16, lens=(length,)
+    )
+    got = cpu_kernels.paged_decode(q, k, v, tables, lens)
+    tol = TOL[dtype]
+    torch.testing.assert_close(
+        got.float(), decode_reference(q, k, v, tables, lens), atol=tol, rtol=tol
+    )
+
+
+@needs_compiler
+def test_a_rows_decode_does_not_depend_on_the_rows_beside_it(isa):
+    """Batch invariance: a lone row (whose context the kernel splits to keep the threads busy)
+    gets exactly what it gets beside others."""
+    q, k, v, tables, lens = decode_case(F32, heads=6, kv_heads=2, dim=64, block=16,
+                                        lens=(1500, 700, 90, 1))  # fmt: skip
+    together = cpu_kernels.paged_decode(q, k, v, tables, lens)
+    for b in range(len(lens)):
+        alone = cpu_kernels.paged_decode(q[b : b + 1], k, v, tables[b : b + 1], lens[b : b + 1])
+        assert torch.equal(alone[0], together[b])
+
+
+# Verify rows (a sequence's last tokens, each sampled) after contexts short and long.
+SPANS = ((1495, 5), (0, 16), (40, 17), (700, 2), (3, 1), (250, 9))
+
+
+def _spans_case(dtype, kv_dtype, heads, kv_heads, chunks=SPANS):
+    return prefill_case(dtype, kv_dtype, 64, heads, kv_heads, chunks, num_blocks=100)
+
+
+@needs_compiler
+@pytest.mark.parametrize(("dtype", "kv_dtype"), DECODE_TYPES, ids=_ids(DECODE_TYPES))
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (8, 1), (32, 8)])
+def test_spans_equal_causal_attention(isa, dtype, kv_dtype, heads, kv_heads):
+    if not cpu_kernels.spans_supported(dtype, kv_dtype, 64):
+        pytest.skip(f"no {dtype} spans over {kv_dtype} on {isa}")
+    args = _spans_case(dtype, kv_dtype, heads, kv_heads)
+    out = torch.zeros_like(args[0])
+    cpu_kernels.paged_spans(*args, out)
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), prefill_reference(*args), atol=tol, rtol=tol)
+
+
+@needs_compiler
+@pytest.mark.parametrize(("dtype", "kv_dtype"), [(F32, F32), (F32, BF16)], ids=["f32", "f32-bf16"])
+def test_each_token_of_a_span_is_attended_exactly_as_decoding_it_alone(isa, dtype, kv_dtype):
+    """So a verify step computes, bit for bit, what decoding its tokens one at a time would."""
+    if not cpu_kernels.spans_supported(dtype, kv_dtype, 64):
+        pytest.skip(f"no {dtype} spans over {kv_dtype} on {isa}")
+    q, k, v, tables, q_starts, q_lens, ctx = _spans_case(dtype, kv_dtype, 9, 3)
+    out = torch.zeros_like(q)
+    cpu_kernels.paged_spans(q, k, v, tables, q_starts, q_lens, ctx, out)
+    for s in range(len(q_lens)):
+        start, n, end = int(q_starts[s]), int(q_lens[s]), int(ctx[s])
+        rows = slice(start, start + n)
+        lens = torch.arange(end - n + 1, end + 1)  # each token's context when decoded alone
+        alone = cpu_kernels.paged_decode(q[rows], k, v, tables[s].expand(n, -1), lens)
+        assert torch.equal(alone, out[rows]), f"span {s}"
+
+
+@needs_compiler
+def test_rows_that_sample_every_token_go_to_the_spans_and_prompt_chunks_to_prefill():
+    """A verify row (3 tokens, each sampled), a prompt chunk (3 tokens) and a decode."""
+    batch = ForwardBatch(
+        input_ids=torch.zeros(7, dtype=torch.long),
+        positions=torch.tensor([5, 6, 7, 0, 1, 2, 9]),
+        slot_mapping=torch.tensor([5, 6, 7, 16, 17, 18, 41]),
+        query_lens=[3, 3, 1],
+        context_lens=[8, 3, 10],
+        block_tables=torch.tensor([[0], [1], [2]]),
+        logits_indices=torch.tensor([0, 1, 2, 5, 6]),
+        all_sampled=[True, False, True],
+    )
+    cache = torch.zeros(4, 16, 2, 64)
+    plan = AttentionPlan.build(batch, 16, False, cache, q_dtype=F32)
+    assert plan.paged_spans.q_starts.tolist() == [0] and plan.paged_spans.q_lens.tolist() == [3]
+    assert plan.paged_prefill.q_starts.tolist() == [3]
+    assert plan.decode_lens.tolist() == [10]
+    batch.all_sampled = None  # unknown: every chunk of several tokens is a prefill
+    assert AttentionPlan.build(batch, 16, False, cache, q_dtype=F32).paged_spans is None
 
 
 needs_amx = pytest.mark.skipif("amx_bf16" not in cpu_flags(), reason="CPU lacks AMX-BF16")

@@ -86,6 +86,29 @@ def test_prefill_single_tokens_and_keys_past_one_tile(isa):
     torch.testing.assert_close(out, prefill_reference(*args), atol=1e-5, rtol=1e-5)
 
 
+# Short chunks (a prompt's tail after a cached prefix, a chunked prefill's last piece) beside
+# a prompt, after cached prefixes.
+SHORT_AND_LONG = ((600, 5), (0, 16), (40, 17), (1000, 2), (3, 1), (250, 9))
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    ("dtype", "kv_dtype"),
+    PREFILL_TYPES,
+    ids=[f"{str(q)[6:]}-{str(k)[6:]}" for q, k in PREFILL_TYPES],
+)
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (8, 1), (32, 8)])
+def test_short_chunks_beside_long_ones_equal_causal_attention(
+    isa, dtype, kv_dtype, heads, kv_heads
+):
+    _skip_unless_supported(dtype, kv_dtype, 64, isa)
+    args = prefill_case(dtype, kv_dtype, 64, heads, kv_heads, SHORT_AND_LONG, num_blocks=80)
+    out = torch.zeros_like(args[0])
+    cpu_kernels.paged_prefill(*args, out)
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), prefill_reference(*args), atol=tol, rtol=tol)
+
+
 def _default_model_steps(model, chunks_per_step, kv):
     gen = torch.Generator().manual_seed(3)
     block = 16

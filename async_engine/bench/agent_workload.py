@@ -5,7 +5,10 @@ repeated, a JSON result passed on), as coding and tool-using agents produce.
 Each conversation reads a generated source file (random names, numbers and structure) or
 JSON record through a tool, then asks the model to write it back with a small change or to
 call the next tool with the record: the answer re-quotes most of what the conversation
-holds, which is the traffic speculative decoding's drafters find.
+holds, which is the traffic speculative decoding's drafters find. ``history`` earlier
+exchanges (other files and records read, ~150 tokens each) come first, for the long
+contexts an agent's loop builds up; the ``SESSION`` loops in a row of one session share
+them, as an agent's next turn shares its conversation so far (the prefix cache's case).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ WORDS = (
     "alpha beta gamma delta window total count value index offset buffer record parse "
     "load store merge split filter score weight limit batch queue cache token frame"
 ).split()
+SESSION = 4  # loops in a row that share their earlier exchanges
 SYSTEM = "You are a coding agent. Reply with exactly one JSON tool call and nothing else."
 
 
@@ -46,15 +50,46 @@ def _record(rng: random.Random) -> dict[str, Any]:
     }
 
 
-def conversation(rng: random.Random) -> list[dict[str, str]]:
-    """One tool loop, ending where the next answer quotes the conversation."""
+def _read(rng: random.Random) -> tuple[dict[str, Any], str]:
+    """A tool call that reads something, and its result."""
+    if rng.random() < 0.5:
+        text, _ = _source(rng)
+        path = f"src/{_name(rng, 1)}/{_name(rng, 1)}.py"
+        return {"name": "read_file", "arguments": {"path": path}}, text
+    record = _record(rng)
+    return {"name": "get_record", "arguments": {"id": record["id"]}}, json.dumps(record)
+
+
+def _earlier(rng: random.Random, exchanges: int) -> list[dict[str, str]]:
+    """Exchanges of a loop before its last turn: a thing read, its result, an answer."""
+    turns = []
+    for _ in range(exchanges):
+        call, result = _read(rng)
+        turns += [
+            {
+                "role": "user",
+                "content": f"Look at what {call['name']} gives for {call['arguments']}.",
+            },
+            {"role": "assistant", "content": json.dumps(call)},
+            {"role": "user", "content": f"Tool result:\n{result}"},
+            {"role": "assistant", "content": "Noted."},
+        ]
+    return turns
+
+
+def conversation(
+    rng: random.Random, earlier: list[dict[str, str]] | None = None
+) -> list[dict[str, str]]:
+    """One tool loop (after the ``earlier`` exchanges), ending where the next answer quotes
+    the conversation."""
+    system = [{"role": "system", "content": SYSTEM}, *(earlier or [])]
     if rng.random() < 0.5:
         text, fn = _source(rng)
         path = f"src/{_name(rng, 1)}/{_name(rng, 1)}.py"
         new = _name(rng)
         read = {"name": "read_file", "arguments": {"path": path}}
         return [
-            {"role": "system", "content": SYSTEM},
+            *system,
             {"role": "user", "content": f"Rename the function {fn} to {new} in {path}."},
             {"role": "assistant", "content": json.dumps(read)},
             {
@@ -66,7 +101,7 @@ def conversation(rng: random.Random) -> list[dict[str, str]]:
     record = _record(rng)
     fetch = {"name": "get_record", "arguments": {"id": record["id"]}}
     return [
-        {"role": "system", "content": SYSTEM},
+        *system,
         {"role": "user", "content": f"Fetch record {record['id']} and store it in the archive."},
         {"role": "assistant", "content": json.dumps(fetch)},
         {
@@ -77,6 +112,11 @@ def conversation(rng: random.Random) -> list[dict[str, str]]:
     ]
 
 
-def conversations(count: int, seed: int) -> list[list[dict[str, str]]]:
+def conversations(count: int, seed: int, history: int = 0) -> list[list[dict[str, str]]]:
     rng = random.Random(seed)
-    return [conversation(rng) for _ in range(count)]
+    out = []
+    for i in range(count):
+        if i % SESSION == 0:
+            earlier = _earlier(rng, history)
+        out.append(conversation(rng, earlier))
+    return out

@@ -175,7 +175,9 @@ async def first_difference_margins(
         await engine.aclose()
 
 
-def workload_prompts(name: str, options: dict[str, Any], count: int, seed: int) -> list[list[int]]:
+def workload_prompts(
+    name: str, options: dict[str, Any], count: int, seed: int, history: int = 0
+) -> list[list[int]]:
     from async_engine.core.tokenizer import Tokenizer
     from async_engine.model import load_model_config, resolve_model
 
@@ -183,7 +185,7 @@ def workload_prompts(name: str, options: dict[str, Any], count: int, seed: int) 
     if name == "plain":
         return Workload(count, 20, 300, 64, seed).prompts(load_model_config(folder).vocab_size)
     tokenizer = Tokenizer(folder)
-    return [tokenizer.apply_chat_template(c) for c in conversations(count, seed)]
+    return [tokenizer.apply_chat_template(c) for c in conversations(count, seed, history)]
 
 
 def cmd_spec(args: argparse.Namespace) -> int:
@@ -192,6 +194,8 @@ def cmd_spec(args: argparse.Namespace) -> int:
 
     if args.rounds < 1:
         raise SystemExit(f"--rounds: give 1 or more runs a batch size, got {args.rounds}")
+    if args.agent_history < 0:
+        raise SystemExit(f"--agent-history: give 0 or more exchanges, got {args.agent_history}")
     options = engine_options(args)
     options["speculative_config"] = None
     config = EngineConfig(**options)
@@ -210,7 +214,9 @@ def cmd_spec(args: argparse.Namespace) -> int:
     margins: dict[str, dict[str, list[float]]] = {}
     for workload in args.workloads.split(","):
         needed = args.rounds * sum(max(args.min_requests, 2 * b) for b in batches) + 2
-        prompts = workload_prompts(workload, options, needed, args.workload_seed)
+        prompts = workload_prompts(
+            workload, options, needed, args.workload_seed, args.agent_history
+        )
         by_method = {}
         for method in methods:
             run_options = dict(options)
@@ -273,6 +279,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0.9,
         help="sim device, agent workload: share of output tokens that quote earlier text"
         " (0.9: agent turns repeat over 90%% of the turn before)",
+    )
+    p.add_argument(
+        "--agent-history",
+        type=int,
+        default=0,
+        help="agent workload: earlier tool exchanges before each loop's last turn (~150 tokens"
+        " each: 20 makes prompts of ~3,000 tokens, an agent's long context), shared by a"
+        " session's 4 loops in a row",
     )
     p.add_argument("--workload-seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the figures to this file")

@@ -101,7 +101,7 @@ def print_tables(
                 if method != "off":
                     cell += f" {run['acceptance']:.2f} {run['accepted_length']:.2f}"
                 cell += f" {100 * run['device_idle']:.1f}%"
-                cells.append(f"{cell:>30}")
+                cells.append(f" {cell:>29}")
             print(f"{batch:>6} " + "".join(cells))
         for method, agree in agreement(per_method).items():
             first = agree["first_difference"]

@@ -50,18 +50,13 @@ def paged_attention(
             return decoded
 
     result = q.new_empty(plan.num_tokens, width)
-    if plan.paged_prefill is not None:
-        p = plan.paged_prefill
-        cpu_kernels.paged_prefill(
-            q.contiguous(),
-            k_cache,
-            v_cache,
-            p.block_tables,
-            p.q_starts,
-            p.q_lens,
-            p.context_lens,
-            result.view(q.shape),
-        )
+    # The CPU kernels write their sequences' rows of result: prompt chunks, then verify rows.
+    in_kernels = ((cpu_kernels.paged_prefill, plan.paged_prefill),
+                  (cpu_kernels.paged_spans, plan.paged_spans))  # fmt: skip
+    for kernel, chunks in in_kernels:
+        if chunks is not None:
+            kernel(q.contiguous(), k_cache, v_cache, chunks.block_tables, chunks.q_starts,
+                   chunks.q_lens, chunks.context_lens, result.view(q.shape))  # fmt: skip
     if decoded is not None:
         result[plan.decode_rows] = decoded
     for p in plan.prefills:

@@ -79,6 +79,8 @@ class AttentionPlan:
     # the decode sequences' context lengths (int64 [Bd]).
     decode_lens: torch.Tensor | None = None
     paged_prefill: PagedPrefill | None = None  # set: prefills run in the CPU kernel, in one call
+    # Verify rows (several tokens, each sampled) for the CPU decode kernel (cpu_kernels.paged_spans).
+    paged_spans: PagedPrefill | None = None
     triton: TritonAttention | None = None  # set: every row runs in the Triton kernels (CUDA)
 
     @classmethod
@@ -114,7 +116,10 @@ class AttentionPlan:
         in_kernel = kernel_cache is not None and cpu_kernels.prefill_supported(
             q_dtype or kernel_cache.dtype, kernel_cache.dtype, kernel_cache.shape[-1]
         )
-        starts, decode, prefills, in_kernel_rows = [], [], [], []
+        sampled = batch.all_sampled
+        if kernel_cache is None or sampled is None or not _spans_as_decode(kernel_cache, q_dtype):
+            sampled = [False] * len(q_lens)
+        starts, decode, prefills, in_kernel_rows, spans = [], [], [], [], []
         start = 0
         for i, (q, ctx) in enumerate(zip(q_lens, ctx_lens, strict=True)):
             if q < 1 or ctx < q:
@@ -124,6 +129,8 @@ class AttentionPlan:
                 pass
             elif q == 1:
                 decode.append(i)
+            elif sampled[i]:
+                spans.append(i)
             elif in_kernel:
                 in_kernel_rows.append(i)
             else:
@@ -141,9 +148,11 @@ class AttentionPlan:
                 [],
                 triton=_triton_plan(batch, starts, block_size, cache),
             )
-        paged = None
+        paged = paged_spans = None
         if in_kernel_rows:
             paged = _paged_prefill(batch, in_kernel_rows, starts, block_size, kernel_cache)
+        if spans:
+            paged_spans = _paged_prefill(batch, spans, starts, block_size, kernel_cache)
 
         rows = blocks = mask = kernel_lens = None
         if decode:
@@ -168,7 +177,7 @@ class AttentionPlan:
                     mask = torch.zeros(valid.shape, device=device).masked_fill_(~valid, -torch.inf)
                 else:
                     mask = valid
-        return cls(start, rows, blocks, mask, decode_bmm, prefills, kernel_lens, paged)
+        return cls(start, rows, blocks, mask, decode_bmm, prefills, kernel_lens, paged, paged_spans)
 
 
 def _triton_plan(
@@ -203,6 +212,18 @@ def _kernels_apply(cache: torch.Tensor, q_dtype: torch.dtype | None) -> bool:
     return cache.device.type == "cpu" and cpu_kernels.decode_supported(
         q_dtype or cache.dtype, cache.dtype, cache.shape[-1]
     )
+
+
+def _spans_as_decode(cache: torch.Tensor, q_dtype: torch.dtype | None) -> bool:
+    """Whether verify rows go to the CPU decode kernel's spans: where decoding runs that
+    (vector) kernel too, so each of a row's tokens is attended exactly as decoding it alone
+    (bf16 over bf16 on AVX512-BF16 and AMX decodes in other kernels: their prefill takes them)."""
+    q_dtype = q_dtype or cache.dtype
+    _, block_size, kv_heads, head_dim = cache.shape
+    kernel = cpu_kernels.decode_kernel(
+        q_dtype, cache.dtype, kv_heads, kv_heads, head_dim, block_size
+    )
+    return kernel == "vector" and cpu_kernels.spans_supported(q_dtype, cache.dtype, head_dim)
 
 
 def _check_block_ids(blocks: torch.Tensor, cache_blocks: int) -> None:

@@ -123,6 +123,7 @@ class StepForward:
             context_lens=context_host,
             block_tables=tables,
             logits_indices=dev["logits_indices"],
+            all_sampled=(layout.query_lens == layout.num_sampled).tolist(),
             attention=attention,
         )
         return self.model(batch, self.kv_cache)

@@ -183,6 +183,7 @@ class DecodeGraphs:
             context_lens=context_host if context_host is not None else [q] * size,
             block_tables=tables,
             logits_indices=self.logits_indices[:tokens],
+            all_sampled=[True] * size,  # buckets run decode and verify steps alone
             attention=attention,
         )
         return self.model(batch, self.kv_cache)

@@ -18,6 +18,11 @@ What runs where (head_dim a multiple of the vector width for the vector kernels)
   bf16 and fp16 operands widened in registers;
 - elsewhere: generic decode loops for float32 and bf16, no prefill kernel (torch SDPA).
 - fused RMSNorm, RoPE and SiLU-and-multiply for float32 and bf16 on every build.
+
+The float32 vector decode kernel splits each context into parts of 512 positions (merged at
+the end), so a batch of one spreads over the threads; it also takes rows of several tokens
+(``paged_spans``: a verify step's rows), every K/V row read once for all of them, each token
+attended exactly as decoding it alone would be.
 """
 
 from __future__ import annotations
@@ -145,9 +150,25 @@ def paged_prefill(
 ) -> None:
     """Causal attention of each sequence's query tokens over its paged context."""
     lib = load()
-    _, heads, head_dim = q.shape
-    if lib is None or not prefill_supported(q.dtype, k_cache.dtype, head_dim):
+    if lib is None or not prefill_supported(q.dtype, k_cache.dtype, q.shape[2]):
         raise RuntimeError("the CPU prefill kernel does not run here")
+    _call_chunks(lib.paged_prefill, q, k_cache, v_cache, block_tables, q_starts, q_lens,
+                 context_lens, out)  # fmt: skip
+
+
+def _call_chunks(
+    entry: Callable[..., None],
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_starts: torch.Tensor,
+    q_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """A kernel taking packed chunks (paged_prefill's arguments), its arguments checked."""
+    _, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     _check_cache(q, k_cache, v_cache)
     if out.shape != q.shape or out.dtype != q.dtype:
@@ -157,7 +178,7 @@ def paged_prefill(
     num_seqs = q_lens.numel()
     if not block_tables.shape[0] == q_starts.numel() == context_lens.numel() == num_seqs:
         raise ValueError(f"{num_seqs} sequences need as many table rows, starts and lengths")
-    lib.paged_prefill(
+    entry(
         *_codes(q.dtype, k_cache.dtype),
         q.data_ptr(),
         k_cache.data_ptr(),
@@ -175,6 +196,33 @@ def paged_prefill(
         head_dim**-0.5,
         out.data_ptr(),
     )
+
+
+def spans_supported(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether ``paged_spans`` runs here for these dtypes and head size."""
+    lib, codes = load(), _codes(q_dtype, kv_dtype)
+    if not available() or lib is None or codes is None:
+        return False
+    return bool(lib.paged_spans_supported(*codes, head_dim))
+
+
+def paged_spans(
+    q: torch.Tensor,  # [T, H, D]: the step's packed query tokens
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KV, D], this step's K already written
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_blocks] int64, one row per sequence
+    q_starts: torch.Tensor,  # [S] int64: row in q of each sequence's first query token
+    q_lens: torch.Tensor,  # [S] int64
+    context_lens: torch.Tensor,  # [S] int64: tokens in the cache after this step
+    out: torch.Tensor,  # [T, H, D] in q's dtype: the sequences' rows are written, others untouched
+) -> None:
+    """Causal attention of sequences whose every query token is sampled (decode and verify
+    rows), each token exactly as the decode kernel attends it alone."""
+    lib = load()
+    if lib is None or not spans_supported(q.dtype, k_cache.dtype, q.shape[2]):
+        raise RuntimeError("the CPU spans kernel does not run here")
+    _call_chunks(lib.paged_spans, q, k_cache, v_cache, block_tables, q_starts, q_lens,
+                 context_lens, out)  # fmt: skip
 
 
 def elementwise_apply(x: torch.Tensor) -> bool:

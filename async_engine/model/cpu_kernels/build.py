@@ -130,12 +130,13 @@ def build(
 def _declare(lib: ctypes.CDLL) -> None:
     """The entry points' C signatures (see the extern "C" blocks of the sources)."""
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    for name in ("paged_decode_supported", "paged_prefill_supported"):
+    for name in ("paged_decode_supported", "paged_prefill_supported", "paged_spans_supported"):
         getattr(lib, name).restype = i32
         getattr(lib, name).argtypes = [i32, i32, i32]
-    lib.paged_decode.restype = lib.paged_prefill.restype = None
+    lib.paged_decode.restype = lib.paged_prefill.restype = lib.paged_spans.restype = None
     lib.paged_decode.argtypes = [i32, i32, *[ptr] * 4, i64, ptr, *[i32] * 5, f32, ptr]
     lib.paged_prefill.argtypes = [i32, i32, *[ptr] * 4, i64, *[ptr] * 3, *[i32] * 5, f32, ptr]
+    lib.paged_spans.argtypes = lib.paged_prefill.argtypes
     for suffix in ("bf16", "f32"):
         norm, silu, rope = (
             getattr(lib, f"{op}_{suffix}") for op in ("rms_norm", "silu_mul", "rope")

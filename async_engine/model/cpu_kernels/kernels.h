@@ -35,6 +35,13 @@ bool vec_supported(DType qt, DType kt, int head_dim);
 bool decode_vec(DType qt, DType kt, const void* q, const Paged& cache,
                 const int64_t* context_lens, int batch, int heads, float scale, void* out);
 
+// Causal attention of each chunk's query rows of q and out [T, H, D] as decode attends one
+// token (a verify step's rows: every token is attended exactly as decoding it alone would),
+// every K/V row read once for all of a chunk's tokens. Other rows untouched; false (nothing
+// ran) where vec_supported is false.
+bool spans_vec(DType qt, DType kt, const void* q, const Paged& cache, const Chunks& chunks,
+               int heads, float scale, void* out);
+
 // Causal prefill of each chunk's query rows of q and out [T, H, D]; other rows untouched.
 // False (nothing ran) where vec_supported is false.
 bool prefill_vec(DType qt, DType kt, const void* q, const Paged& cache, const Chunks& chunks,
