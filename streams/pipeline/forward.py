@@ -123,7 +123,8 @@ class StepForward:
             context_lens=context_host,
             block_tables=tables,
             logits_indices=dev["logits_indices"],
-            all_sampled=(layout.query_lens == layout.num_sampled).tolist(),
+            # For the CPU kernels' plan; the Triton one takes every row alike.
+            all_sampled=None if self.triton else (layout.query_lens == layout.num_sampled).tolist(),
             attention=attention,
         )
         return self.model(batch, self.kv_cache)
